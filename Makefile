@@ -1,0 +1,44 @@
+# The two commands: `make demo` (the whole pipeline, end to end) and `make test` (every test).
+# Each one installs what it needs first, idempotently: the virtual environment and Python
+# packages, Debian's redis-server, and Kafka's jars from Maven Central.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+export HF_HUB_OFFLINE := 1
+
+.PHONY: deps demo test lint typecheck unit stack-down clean
+
+$(VENV)/.kinfer-deps: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+deps: $(VENV)/.kinfer-deps
+	@command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server)
+	@command -v mvn >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q maven)
+	@$(PY) -m ops.cli stack fetch >/dev/null
+
+demo: deps
+	$(PY) -m ops.cli demo
+
+lint: deps
+	$(PY) -m ruff check .
+
+typecheck: deps
+	$(PY) -m mypy
+
+test: lint typecheck
+	$(PY) -m pytest
+
+unit: deps
+	$(PY) -m pytest tests/unit
+
+stack-down:
+	$(PY) -m ops.cli stack down
+
+clean: stack-down
+	rm -rf .kinfer .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Worker processes: consume request topics, batch, run models, publish replies, commit."""

@@ -1,0 +1,28 @@
+"""Worker metrics, exported for Prometheus (``--metrics-port``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_MS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+QUEUE_WAIT = Histogram(
+    "kinfer_queue_wait_seconds", "Kafka record timestamp to fetched by the worker", ["model", "priority"],
+    buckets=_MS_BUCKETS,
+)
+BATCH_WAIT = Histogram(
+    "kinfer_batch_wait_seconds", "Fetched to its batch starting compute", ["model", "priority"],
+    buckets=_MS_BUCKETS,
+)
+COMPUTE = Histogram("kinfer_compute_seconds", "Forward pass of one batch", ["model"], buckets=_MS_BUCKETS)
+BATCH_SIZE = Histogram(
+    "kinfer_batch_size", "Inputs per batch", ["model"], buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+)
+PADDING = Histogram(
+    "kinfer_padding_ratio", "Padded tokens / estimated real tokens of a batch", ["model"],
+    buckets=(1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0),
+)
+RESULTS = Counter("kinfer_results_total", "Terminal replies published", ["model", "priority", "status"])
+DEAD_LETTERS = Counter("kinfer_dead_letters_total", "Records sent to the dead-letter topic", ["model", "field"])
+BUFFERED = Gauge("kinfer_buffered_inputs", "Inputs fetched and waiting for a batch", ["model"])
+PAUSED = Gauge("kinfer_partitions_paused", "1 while fetching is paused for flow control", ["model"])

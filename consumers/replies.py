@@ -1,0 +1,60 @@
+"""Publishing what a worker produces: results on their reply route, bad records to the DLQ."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from topics import ReplyRoute, Result, RouteKind, Unavailable, pack
+from topics.names import DLQ_TOPIC
+
+log = logging.getLogger(__name__)
+
+
+class ReplySink:
+    """Publishes results, batched: one Redis pipeline and one Kafka flush per call.
+
+    Idempotent by request id on the receiving side, so publishing the same result twice (after a
+    redelivery) is harmless.
+    """
+
+    def __init__(self, producer: AIOKafkaProducer, redis: aioredis.Redis) -> None:
+        self._producer = producer
+        self._redis = redis
+
+    async def publish(self, replies: Sequence[tuple[ReplyRoute, Result]]) -> None:
+        """Publish every reply; raises ``Unavailable`` if any transport failed (caller retries)."""
+        to_redis = [(r, res) for r, res in replies if r.kind is RouteKind.REDIS]
+        to_kafka = [(r, res) for r, res in replies if r.kind is RouteKind.KAFKA]
+        try:
+            if to_redis:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for route, result in to_redis:
+                        pipe.publish(route.name, pack(result))
+                    await pipe.execute()
+            if to_kafka:
+                futures = [
+                    await self._producer.send(route.name, pack(result), key=result.id.encode())
+                    for route, result in to_kafka
+                ]
+                await asyncio.gather(*futures)
+        except (RedisError, KafkaError, OSError) as exc:
+            raise Unavailable(f"publishing {len(replies)} replies failed: {exc}") from exc
+
+    async def dead_letter(self, value: bytes, reason: str, field: str | None, source: str) -> None:
+        """Send a record that failed validation to the DLQ, with why and where it came from."""
+        headers = [
+            ("reason", reason.encode()[:1024]),
+            ("field", (field or "").encode()),
+            ("source", source.encode()),
+        ]
+        try:
+            await self._producer.send_and_wait(DLQ_TOPIC, value, headers=headers)
+        except KafkaError as exc:
+            raise Unavailable(f"dead-lettering a record from {source} failed: {exc}") from exc

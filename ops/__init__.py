@@ -1,0 +1,1 @@
+"""Running kinfer: the local stack, the command line, the demo, benchmarks."""

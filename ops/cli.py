@@ -1,0 +1,208 @@
+"""The ``kinfer`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from ops.stack import LocalStack, StackError, fetch_kafka, resolve_endpoints
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--option expects key=value, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    stack = LocalStack(Path(args.home) if args.home else None, args.kafka_port, args.redis_port)
+    if args.action == "fetch":
+        print(fetch_kafka())
+    elif args.action == "up":
+        info, started = stack.up()
+        print(f"{'started' if started else 'reusing'} stack in {info.home}")
+        print(f"KINFER_BOOTSTRAP={info.bootstrap}\nKINFER_REDIS_URL={info.redis_url}")
+    elif args.action == "down":
+        print("stopped" if stack.down() else "nothing was running")
+    elif args.action == "status":
+        status = stack.status()
+        print(json.dumps(status, indent=2))
+        return 0 if status["state"] == "up" else 3
+    elif args.action == "env":
+        info = stack.load()
+        if info is None:
+            raise StackError("no stack: run `kinfer stack up`")
+        for key, value in info.env().items():
+            print(f"export {key}={value}")
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+
+    bootstrap, _ = resolve_endpoints()
+    specs = [dlq_topic_spec()]
+    for model in args.model:
+        specs += model_topic_specs(model, args.partitions)
+    for name, count in sorted(asyncio.run(ensure_topics(bootstrap, specs)).items()):
+        print(f"{name}\t{count} partitions")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from batcher import BatchPolicy
+    from consumers.runners import resolve_model
+    from consumers.worker import Worker, WorkerSettings
+    from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+
+    bootstrap, redis_url = resolve_endpoints()
+    spec = resolve_model(args.model, args.family, args.path, _options(args.option))
+    settings = WorkerSettings(
+        model=spec,
+        bootstrap=bootstrap,
+        redis_url=redis_url,
+        policy=BatchPolicy(
+            max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms
+        ),
+        device=args.device,
+        session_timeout_ms=args.session_timeout_ms,
+        instance_id=args.instance_id,
+        metrics_port=args.metrics_port,
+        **({"worker_id": args.worker_id} if args.worker_id else {}),
+    )
+
+    async def main() -> None:
+        if args.create_topics:
+            await ensure_topics(bootstrap, [dlq_topic_spec(), *model_topic_specs(spec.name, args.partitions)])
+        worker = Worker(settings)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        await worker.run()
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from producers import Client
+
+    bootstrap, redis_url = resolve_endpoints()
+
+    async def main() -> None:
+        async with Client(bootstrap, redis_url, tenant=args.tenant) as client:
+            result = await client.infer(args.model, args.text, priority=args.priority, deadline_ms=args.deadline_ms)
+            print(json.dumps({"id": result.id, "status": result.status, "outputs": result.outputs,
+                              "timings": result.timings.to_wire(), "worker": result.worker}))
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ops.demo import run_demo
+
+    return run_demo(requests=args.requests, rate=args.rate, model=args.model, partitions=args.partitions)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ops.bench import bench_model
+
+    print(json.dumps(bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kinfer", description="Kafka-driven asynchronous inference")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("stack", help="the local Kafka + Redis stack")
+    s.add_argument("action", choices=["up", "down", "status", "env", "fetch"])
+    s.add_argument("--home", help="stack folder (default: $KINFER_HOME or .kinfer/)")
+    s.add_argument("--kafka-port", type=int, help="default: a free port")
+    s.add_argument("--redis-port", type=int, help="default: a free port")
+    s.set_defaults(func=cmd_stack)
+
+    t = sub.add_parser("topics", help="create or grow the request topics of models, and the DLQ")
+    t.add_argument("--model", action="append", required=True)
+    t.add_argument("--partitions", type=int, default=3)
+    t.set_defaults(func=cmd_topics)
+
+    w = sub.add_parser("worker", help="serve one model from its request topics")
+    w.add_argument("--model", required=True, help="served name; built-in: minilm, noop")
+    w.add_argument("--family", help="runner family for a model that is not built in (embedding, noop)")
+    w.add_argument("--path", help="Hugging Face model directory")
+    w.add_argument("--option", action="append", default=[], help="runner option key=value (repeatable)")
+    w.add_argument("--device", default="auto")
+    w.add_argument("--max-batch-size", type=int, default=32)
+    w.add_argument("--max-batch-tokens", type=int, default=16_384)
+    w.add_argument("--max-wait-ms", type=float, default=20.0)
+    w.add_argument("--session-timeout-ms", type=int, default=10_000)
+    w.add_argument("--instance-id", help="static group membership id (a restart rejoins without a rebalance)")
+    w.add_argument("--worker-id", help="name in replies and logs (default: host-pid)")
+    w.add_argument("--metrics-port", type=int)
+    w.add_argument("--create-topics", action="store_true", help="create the model's topics first")
+    w.add_argument("--partitions", type=int, default=3, help="with --create-topics")
+    w.set_defaults(func=cmd_worker)
+
+    i = sub.add_parser("infer", help="send one request and print its result")
+    i.add_argument("--model", required=True)
+    i.add_argument("--priority", type=int, default=1)
+    i.add_argument("--deadline-ms", type=int, default=10_000)
+    i.add_argument("--tenant", default="cli")
+    i.add_argument("text", nargs="+")
+    i.set_defaults(func=cmd_infer)
+
+    d = sub.add_parser("demo", help="start everything, send a steady stream of requests, report latency, stop")
+    d.add_argument("--requests", type=int, default=300)
+    d.add_argument("--rate", type=float, default=50.0, help="requests per second (open loop)")
+    d.add_argument("--model", default="minilm")
+    d.add_argument("--partitions", type=int, default=3)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bs = b.add_subparsers(dest="bench", required=True)
+    bm = bs.add_parser("model", help="the model alone, in process: sequences/s by batch size")
+    bm.add_argument("--model", default="minilm")
+    bm.add_argument("--batch-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32])
+    bm.add_argument("--seconds", type=float, default=5.0)
+    bm.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("aiokafka").setLevel(logging.WARNING if not args.verbose else logging.DEBUG)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local folders only
+    try:
+        return int(args.func(args))
+    except StackError as exc:
+        print(f"kinfer: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,102 @@
+"""``make demo``: the whole pipeline on a real broker and Redis, started and stopped here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ops.load import LoadReport, make_texts, open_loop
+from ops.stack import LocalStack, StackInfo
+from producers import Client
+from topics import KinferError
+from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+
+
+def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **info.env(), "HF_HUB_OFFLINE": "1"}
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+    return subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "worker", "--model", model, *extra],
+        env=env, stdout=out, stderr=subprocess.STDOUT,
+    )
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_until_served(client: Client, model: str, timeout_s: float = 180.0) -> None:
+    """Probe until the model answers: the worker loaded, joined its group and got partitions."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await client.infer(model, ["ready?"], deadline_ms=3_000)
+            return
+        except KinferError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def print_report(report: LoadReport) -> None:
+    ok = [o for o in report.ok if o.result]
+    print(f"\nstatuses: {dict(report.statuses())}")
+    if ok:
+        def mean(xs: list[float]) -> float:
+            return sum(xs) / len(xs)
+
+        print(
+            "inside the worker (mean ms): "
+            f"queue {mean([o.result.timings.queue_ms for o in ok if o.result]):.1f}, "
+            f"batch wait {mean([o.result.timings.batch_wait_ms for o in ok if o.result]):.1f}, "
+            f"compute {mean([o.result.timings.compute_ms for o in ok if o.result]):.1f}"
+        )
+        sizes = sorted({o.result.timings.batch_size for o in ok if o.result})
+        print(f"batch sizes seen: {sizes}")
+    s = report.summary()
+    print(
+        f"requests={s['requests']} ok={s['ok']} p50_ms={s['p50_ms']} p95_ms={s['p95_ms']} "
+        f"p99_ms={s['p99_ms']} rps={s['rps']}"
+    )
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_demo(requests: int, rate: float, model: str, partitions: int) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed demo still stops what it started
+    stack = LocalStack()
+    info, started = stack.up()
+    print(f"{'started' if started else 'reusing'} Kafka at {info.bootstrap}, Redis at {info.redis_url}")
+    worker = None
+    try:
+        asyncio.run(ensure_topics(info.bootstrap, [dlq_topic_spec(), *model_topic_specs(model, partitions)]))
+        log_path = os.path.join(info.home, f"demo-worker-{model}.log")
+        worker = spawn_worker(info, model, log_path=log_path)
+        print(f"worker for {model} starting (log: {log_path})")
+        report = asyncio.run(_drive(info, model, requests, rate))
+        print_report(report)
+        return 0 if len(report.ok) == requests else 1
+    finally:
+        if worker is not None:
+            stop_process(worker)
+        if started:
+            stack.down()
+            print("stack stopped")
+
+
+async def _drive(info: StackInfo, model: str, requests: int, rate: float) -> LoadReport:
+    async with Client(info.bootstrap, info.redis_url, tenant="demo") as client:
+        await wait_until_served(client, model)
+        print(f"sending {requests} requests of 5-120 words at {rate:g}/s")
+        return await open_loop(client, model, make_texts(requests), rate)

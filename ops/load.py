@@ -1,0 +1,112 @@
+"""Open-loop load: requests go out on a schedule, whatever the system does with them.
+
+Latency is measured from each request's *scheduled* send time, so a system that falls behind is
+charged for the queueing it causes (no coordinated omission).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from producers import Client
+from topics import KinferError, Priority, Result
+
+_WORDS = (
+    "kafka broker partition offset consumer group batch window latency deadline priority tenant "
+    "embedding vector model worker replica throughput queue backpressure signal redis channel reply "
+    "token padding sequence attention layer tensor device memory bandwidth compute schedule request "
+    "result stream chunk commit rebalance heartbeat timeout retry shed expire admission quota health"
+).split()
+
+
+def make_texts(n: int, min_words: int = 5, max_words: int = 120, seed: int = 7) -> list[str]:
+    """``n`` texts with word counts spread uniformly in [min_words, max_words]."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(_WORDS, k=rng.randint(min_words, max_words))) for _ in range(n)]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(slots=True)
+class Outcome:
+    latency_ms: float  # scheduled send → result (or error)
+    status: str  # result status, or the error class name
+    result: Result | None = None
+
+
+@dataclass(slots=True)
+class LoadReport:
+    outcomes: list[Outcome] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == "ok"]
+
+    def summary(self) -> dict[str, float | int]:
+        lat = [o.latency_ms for o in self.ok]
+        batch = [o.result.timings.batch_size for o in self.ok if o.result]
+        return {
+            "requests": len(self.outcomes),
+            "ok": len(lat),
+            "p50_ms": round(percentile(lat, 50), 1),
+            "p95_ms": round(percentile(lat, 95), 1),
+            "p99_ms": round(percentile(lat, 99), 1),
+            "max_ms": round(max(lat, default=math.nan), 1),
+            "rps": round(len(lat) / self.elapsed_s, 1) if self.elapsed_s else 0.0,
+            "mean_batch": round(sum(batch) / len(batch), 2) if batch else 0.0,
+        }
+
+    def statuses(self) -> Counter[str]:
+        return Counter(o.status for o in self.outcomes)
+
+
+async def open_loop(
+    client: Client,
+    model: str,
+    texts: Sequence[str],
+    rate: float,
+    *,
+    poisson: bool = False,
+    priority: Priority = Priority.P1,
+    deadline_ms: int = 10_000,
+    seed: int = 11,
+) -> LoadReport:
+    """Send one request per text at ``rate`` per second (evenly spaced, or Poisson arrivals)."""
+    rng = random.Random(seed)
+    report = LoadReport()
+    start = time.monotonic()
+
+    async def one(text: str, scheduled: float) -> None:
+        try:
+            result = await client.infer(model, [text], priority=priority, deadline_ms=deadline_ms)
+            outcome = Outcome(0.0, result.status.value, result)
+        except KinferError as exc:
+            outcome = Outcome(0.0, type(exc).__name__)
+        outcome.latency_ms = (time.monotonic() - scheduled) * 1000.0
+        report.outcomes.append(outcome)
+
+    tasks: list[asyncio.Task[None]] = []
+    at = start
+    for text in texts:
+        delay = at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(text, at)))
+        at += rng.expovariate(rate) if poisson else 1.0 / rate
+    await asyncio.gather(*tasks)
+    report.elapsed_s = time.monotonic() - start
+    return report

@@ -1,0 +1,361 @@
+"""The local stack: a real single-node KRaft Kafka broker and a real Redis on 127.0.0.1.
+
+Kafka's jars come from Maven Central through Maven (pinned version, cached under ``.cache/``);
+Redis is Debian's ``redis-server``. Both run as detached processes whose pids, ports and log files
+are recorded in ``<home>/stack.json``; ``up`` reuses a running stack, ``down`` stops both and
+waits until neither process is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+KAFKA_VERSION = "3.9.1"
+SCALA_VERSION = "2.13"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("KINFER_HOME", REPO_ROOT / ".kinfer"))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KINFER_CACHE", REPO_ROOT / ".cache"))
+
+
+class StackError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Kafka's jars
+
+
+_POM = """<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>kinfer.local</groupId><artifactId>kafka-broker</artifactId><version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+    <dependency><groupId>org.apache.kafka</groupId><artifactId>kafka_{scala}</artifactId>
+      <version>{kafka}</version></dependency>
+    <dependency><groupId>org.slf4j</groupId><artifactId>slf4j-reload4j</artifactId>
+      <version>1.7.36</version></dependency>
+  </dependencies>
+</project>
+"""
+
+
+def fetch_kafka(cache: Path | None = None) -> Path:
+    """Copy the broker's jars from Maven Central (once); returns the folder holding them."""
+    root = (cache or cache_dir()) / f"kafka_{SCALA_VERSION}-{KAFKA_VERSION}"
+    libs, marker = root / "libs", root / ".complete"
+    if marker.exists():
+        return libs
+    if shutil.which("mvn") is None:
+        raise StackError("Maven ('mvn') is needed to fetch Kafka's jars; install it (apt-get install maven)")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pom.xml").write_text(_POM.format(scala=SCALA_VERSION, kafka=KAFKA_VERSION))
+    cmd = [
+        "mvn", "-q", "-B", "-f", str(root / "pom.xml"), "dependency:copy-dependencies",
+        f"-DoutputDirectory={libs}", "-DincludeScope=runtime",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise StackError(f"fetching Kafka {KAFKA_VERSION} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    marker.touch()
+    return libs
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int, needle: str) -> bool:
+    """True if ``pid`` runs and its command line contains ``needle`` (guards against pid reuse)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X") and needle in cmdline
+
+
+def _stop(pid: int, needle: str, timeout_s: float = 30.0) -> None:
+    if not _alive(pid, needle):
+        return
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if not _alive(pid, needle):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    while _alive(pid, needle):
+        _reap(pid)
+        time.sleep(0.05)
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if the process is our child (it is, when started in this process)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+@dataclass(slots=True)
+class StackInfo:
+    home: str
+    bootstrap: str  # Kafka bootstrap servers
+    redis_url: str
+    kafka_pid: int
+    redis_pid: int
+    kafka_log: str
+    redis_log: str
+
+    def env(self) -> dict[str, str]:
+        return {"KINFER_BOOTSTRAP": self.bootstrap, "KINFER_REDIS_URL": self.redis_url}
+
+
+class LocalStack:
+    """``up`` / ``down`` / ``status`` of one stack, identified by its home folder."""
+
+    KAFKA_NEEDLE = "kafka.Kafka"
+    REDIS_NEEDLE = "redis-server"
+
+    def __init__(self, home: Path | None = None, kafka_port: int | None = None, redis_port: int | None = None):
+        self.home = (home or default_home()).resolve()
+        self.kafka_port = kafka_port
+        self.redis_port = redis_port
+        self.state_file = self.home / "stack.json"
+
+    # -- public ------------------------------------------------------------------------------
+
+    def load(self) -> StackInfo | None:
+        if not self.state_file.exists():
+            return None
+        return StackInfo(**json.loads(self.state_file.read_text()))
+
+    def running(self) -> StackInfo | None:
+        """The recorded stack, if both processes still run and answer."""
+        info = self.load()
+        if info is None:
+            return None
+        if not (_alive(info.kafka_pid, self.KAFKA_NEEDLE) and _alive(info.redis_pid, self.REDIS_NEEDLE)):
+            return None
+        if not (_redis_ready(info.redis_url) and asyncio.run(_kafka_ready(info.bootstrap, timeout_s=5))):
+            return None
+        return info
+
+    def up(self, timeout_s: float = 90.0) -> tuple[StackInfo, bool]:
+        """Start the stack, or reuse the running one. Returns (info, started_now)."""
+        info = self.running()
+        if info is not None:
+            return info, False
+        self.down()  # a half-dead stack from before: clear it out
+        self.home.mkdir(parents=True, exist_ok=True)
+        libs = fetch_kafka()
+        redis_bin = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not Path(redis_bin).exists():
+            raise StackError("redis-server not found: install Debian's redis-server (make deps does)")
+        kafka_port = self.kafka_port or free_port()
+        controller_port = free_port()
+        redis_port = self.redis_port or free_port()
+
+        redis_pid, redis_log = self._start_redis(redis_bin, redis_port)
+        kafka_pid, kafka_log = self._start_kafka(libs, kafka_port, controller_port)
+        info = StackInfo(
+            home=str(self.home),
+            bootstrap=f"127.0.0.1:{kafka_port}",
+            redis_url=f"redis://127.0.0.1:{redis_port}/0",
+            kafka_pid=kafka_pid,
+            redis_pid=redis_pid,
+            kafka_log=str(kafka_log),
+            redis_log=str(redis_log),
+        )
+        self.state_file.write_text(json.dumps(asdict(info), indent=2))
+        deadline = time.monotonic() + timeout_s
+        while not _redis_ready(info.redis_url):
+            self._check_started(info, deadline)
+            time.sleep(0.1)
+        if not asyncio.run(_kafka_ready(info.bootstrap, timeout_s=max(1.0, deadline - time.monotonic()))):
+            self._check_started(info, 0)
+        return info, True
+
+    def down(self) -> bool:
+        """Stop both processes (if any); returns whether something was running."""
+        info = self.load()
+        if info is None:
+            return False
+        was = _alive(info.kafka_pid, self.KAFKA_NEEDLE) or _alive(info.redis_pid, self.REDIS_NEEDLE)
+        _stop(info.kafka_pid, self.KAFKA_NEEDLE)
+        _stop(info.redis_pid, self.REDIS_NEEDLE)
+        self.state_file.unlink(missing_ok=True)
+        return was
+
+    def status(self) -> dict[str, object]:
+        info = self.load()
+        if info is None:
+            return {"home": str(self.home), "state": "down"}
+        kafka = _alive(info.kafka_pid, self.KAFKA_NEEDLE)
+        redis = _alive(info.redis_pid, self.REDIS_NEEDLE)
+        return {
+            **asdict(info),
+            "state": "up" if kafka and redis else "degraded" if kafka or redis else "down",
+            "kafka_running": kafka,
+            "redis_running": redis,
+        }
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_started(self, info: StackInfo, deadline: float) -> None:
+        for pid, needle, logfile in (
+            (info.kafka_pid, self.KAFKA_NEEDLE, info.kafka_log),
+            (info.redis_pid, self.REDIS_NEEDLE, info.redis_log),
+        ):
+            if not _alive(pid, needle):
+                tail = Path(logfile).read_text(errors="replace")[-3000:]
+                self.down()
+                raise StackError(f"{needle} exited during start; end of {logfile}:\n{tail}")
+        if time.monotonic() > deadline:
+            self.down()
+            raise StackError(f"stack did not become ready; logs: {info.kafka_log}, {info.redis_log}")
+
+    def _start_redis(self, redis_bin: str, port: int) -> tuple[int, Path]:
+        data = self.home / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        log = self.home / "redis.log"
+        cmd = [
+            redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(data), "--daemonize", "no", "--protected-mode", "yes",
+        ]
+        with log.open("ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return proc.pid, log
+
+    def _start_kafka(self, libs: Path, port: int, controller_port: int) -> tuple[int, Path]:
+        data = self.home / "kafka-data"
+        config = self.home / "server.properties"
+        config.write_text(
+            "\n".join(
+                [
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
+                    f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{port}",
+                    "controller.listener.names=CONTROLLER",
+                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                    f"log.dirs={data}",
+                    "num.partitions=1",
+                    "auto.create.topics.enable=false",  # topics are the contract: created on purpose
+                    "offsets.topic.replication.factor=1",
+                    "offsets.topic.num.partitions=8",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "group.initial.rebalance.delay.ms=0",
+                    "log.retention.hours=24",
+                    "",
+                ]
+            )
+        )
+        log4j = self.home / "log4j.properties"
+        log4j.write_text(
+            "log4j.rootLogger=INFO, stdout\n"
+            "log4j.appender.stdout=org.apache.log4j.ConsoleAppender\n"
+            "log4j.appender.stdout.layout=org.apache.log4j.PatternLayout\n"
+            "log4j.appender.stdout.layout.ConversionPattern=[%d] %p %m (%c)%n\n"
+            "log4j.logger.kafka=INFO\nlog4j.logger.org.apache.kafka=INFO\n"
+        )
+        classpath = f"{libs}/*"
+        java = shutil.which("java") or "java"
+        log = self.home / "kafka.log"
+        if not (data / "meta.properties").exists():
+            fmt = subprocess.run(
+                [java, "-cp", classpath, f"-Dlog4j.configuration=file:{log4j}", "kafka.tools.StorageTool",
+                 "format", "-t", uuid.uuid4().hex[:22], "-c", str(config), "--ignore-formatted"],
+                capture_output=True, text=True, check=False,
+            )
+            if fmt.returncode != 0:
+                raise StackError(f"formatting Kafka storage failed:\n{fmt.stdout}{fmt.stderr}")
+        cmd = [
+            java, "-Xms256m", "-Xmx1g", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
+            f"-Dlog4j.configuration=file:{log4j}", f"-Dkafka.logs.dir={self.home}",
+            "-cp", classpath, "kafka.Kafka", str(config),
+        ]
+        with log.open("ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return proc.pid, log
+
+
+def _redis_ready(url: str) -> bool:
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5) as r:
+            return bool(r.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+async def _kafka_ready(bootstrap: str, timeout_s: float) -> bool:
+    """A metadata request succeeds and the broker lists itself."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import KafkaError
+
+    deadline = time.monotonic() + timeout_s
+    quiet = logging.getLogger("aiokafka")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # refused connections are expected while the broker starts
+    try:
+        while time.monotonic() < deadline:
+            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
+            try:
+                await admin.start()
+                cluster = await admin.describe_cluster()
+                if cluster.get("brokers"):
+                    return True
+            except (KafkaError, OSError):
+                pass
+            finally:
+                await admin.close()
+            await asyncio.sleep(0.25)
+        return False
+    finally:
+        quiet.setLevel(level)
+
+
+def resolve_endpoints(home: Path | None = None) -> tuple[str, str]:
+    """(bootstrap, redis_url): from KINFER_BOOTSTRAP / KINFER_REDIS_URL, else the local stack."""
+    bootstrap, redis_url = os.environ.get("KINFER_BOOTSTRAP"), os.environ.get("KINFER_REDIS_URL")
+    if bootstrap and redis_url:
+        return bootstrap, redis_url
+    info = LocalStack(home).load()
+    if info is None:
+        raise StackError("no Kafka/Redis given: set KINFER_BOOTSTRAP and KINFER_REDIS_URL, or run `kinfer stack up`")
+    return bootstrap or info.bootstrap, redis_url or info.redis_url

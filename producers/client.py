@@ -1,0 +1,162 @@
+"""The client library: publish a request to Kafka, await its result over Redis pub/sub.
+
+    async with Client(bootstrap="127.0.0.1:9092", redis_url="redis://127.0.0.1:6379/0") as client:
+        result = await client.infer("minilm", ["a sentence"], priority=Priority.P0, deadline_ms=500)
+        vector = result.outputs[0]
+
+``infer`` returns a ``Result`` with status ok, or raises a typed ``KinferError`` (see
+``topics.errors``): ``InvalidRequest``/``UnknownModel`` before anything is sent,
+``Unavailable`` when Kafka refuses the request, ``DeadlineExceeded`` when no result came in time,
+and the error matching a non-ok result status otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from producers.replies import ReplyMux
+from topics import (
+    DEFAULT_LIMITS,
+    DeadlineExceeded,
+    Limits,
+    Priority,
+    ReplyRoute,
+    Request,
+    Result,
+    RouteKind,
+    Unavailable,
+    UnknownModel,
+    decode_request,
+    new_request_id,
+    now_ms,
+    pack,
+)
+from topics.names import redis_reply_channel, request_topic
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSettings:
+    bootstrap: str  # Kafka bootstrap servers
+    redis_url: str  # where replies arrive
+    tenant: str = "default"  # who this client acts for
+    default_deadline_ms: int = 30_000  # relative deadline when a call gives none
+    reply_grace_ms: int = 250  # how long past the deadline to wait for an ``expired`` reply
+    linger_ms: int = 1  # producer batching delay: trades a millisecond for fewer broker requests
+    limits: Limits = DEFAULT_LIMITS
+
+    def __repr__(self) -> str:  # never print credentials embedded in a URL
+        redis = self.redis_url.split("@")[-1]
+        return f"ClientSettings(bootstrap={self.bootstrap!r}, redis=...{redis!r}, tenant={self.tenant!r})"
+
+
+class Client:
+    def __init__(self, bootstrap: str, redis_url: str, **options: Any) -> None:
+        self.settings = ClientSettings(bootstrap=bootstrap, redis_url=redis_url, **options)
+        self.client_id = uuid.uuid4().hex[:16]
+        self._route = ReplyRoute(RouteKind.REDIS, redis_reply_channel(self.client_id))
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap,
+            acks="all",  # an acknowledged request is on every in-sync replica
+            enable_idempotence=True,
+            linger_ms=self.settings.linger_ms,
+            client_id=f"kinfer-client-{self.client_id}",
+        )
+        self._redis = aioredis.Redis.from_url(redis_url)
+        self._replies = ReplyMux(self._redis, self._route.name)
+        self._known_topics: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self._producer.start()
+        except KafkaError as exc:
+            raise Unavailable(f"Kafka at {self.settings.bootstrap} unreachable: {exc}") from exc
+        await self._replies.start()
+
+    async def close(self) -> None:
+        await self._replies.close()
+        await self._producer.stop()
+        with contextlib.suppress(RedisError):
+            await self._redis.aclose()
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def duplicate_replies(self) -> int:
+        """Replies dropped because their request was already answered (redelivery after a crash)."""
+        return self._replies.duplicates
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def infer(
+        self,
+        model: str,
+        inputs: str | Sequence[str],
+        *,
+        priority: Priority | int = Priority.P1,
+        deadline_ms: int | None = None,
+        params: dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> Result:
+        """Run ``inputs`` through ``model``; ``deadline_ms`` is relative to now."""
+        created = now_ms()
+        request = Request(
+            id=request_id or new_request_id(),
+            model=model,
+            priority=Priority(priority),
+            tenant=self.settings.tenant,
+            created_ms=created,
+            deadline_ms=created + (deadline_ms or self.settings.default_deadline_ms),
+            inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
+            reply=self._route,
+            params=params or {},
+        )
+        data = pack(request)
+        decode_request(data, self.settings.limits)  # the worker's own check: fail here, not there
+        topic = request_topic(model, request.priority)
+        await self._check_topic(topic, model)
+
+        waiter = self._replies.expect(request.id)
+        try:
+            try:
+                await self._producer.send_and_wait(topic, data)
+            except KafkaError as exc:
+                raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
+            timeout_s = (request.deadline_ms - now_ms() + self.settings.reply_grace_ms) / 1000.0
+            try:
+                result = await asyncio.wait_for(waiter, max(0.0, timeout_s))
+            except TimeoutError as exc:
+                raise DeadlineExceeded(f"{model}/{request.id}: no reply by the deadline") from exc
+        finally:
+            self._replies.forget(request.id)
+        return result.raise_for_status()
+
+    async def _check_topic(self, topic: str, model: str) -> None:
+        if topic in self._known_topics:
+            return
+        try:
+            partitions = await asyncio.wait_for(self._producer.partitions_for(topic), 5.0)
+        except (KafkaError, TimeoutError) as exc:
+            raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model") from exc
+        if not partitions:
+            raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
+        self._known_topics.add(topic)

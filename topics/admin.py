@@ -1,0 +1,89 @@
+"""Topic administration: create the contract's topics, or check that they are as configured."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
+from aiokafka.errors import KafkaError
+
+from topics.errors import Unavailable
+from topics.names import DLQ_TOPIC, request_topics
+
+log = logging.getLogger(__name__)
+
+_TOPIC_ALREADY_EXISTS = 36
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    replication: int = 1
+    configs: dict[str, str] = field(default_factory=dict)
+
+
+def model_topic_specs(model: str, partitions: int, replication: int = 1) -> list[TopicSpec]:
+    """The request topics of one model. Requests are short-lived: keep a day, delete, not compact."""
+    configs = {"retention.ms": str(24 * 3600 * 1000), "cleanup.policy": "delete"}
+    return [TopicSpec(t, partitions, replication, configs) for t in request_topics(model)]
+
+
+def dlq_topic_spec(replication: int = 1) -> TopicSpec:
+    return TopicSpec(DLQ_TOPIC, 1, replication, {"retention.ms": str(7 * 24 * 3600 * 1000)})
+
+
+async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec]) -> dict[str, int]:
+    """Create missing topics; grow existing ones that have fewer partitions than specified.
+
+    Returns the partition count of every topic afterwards. A topic with *more* partitions than
+    specified is left alone (Kafka cannot shrink a topic) and logged.
+    """
+    specs = list(specs)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
+    try:
+        await admin.start()
+        existing = await _partition_counts(admin, [s.name for s in specs])
+        missing = [s for s in specs if s.name not in existing]
+        if missing:
+            resp = await admin.create_topics(
+                [NewTopic(s.name, s.partitions, s.replication, topic_configs=s.configs) for s in missing]
+            )
+            for topic, code, *rest in resp.topic_errors:
+                if code not in (0, _TOPIC_ALREADY_EXISTS):
+                    raise Unavailable(f"could not create topic {topic}: error {code} {rest}")
+        grow = {
+            s.name: NewPartitions(s.partitions)
+            for s in specs
+            if s.name in existing and existing[s.name] < s.partitions
+        }
+        if grow:
+            await admin.create_partitions(grow)
+        for s in specs:
+            if existing.get(s.name, 0) > s.partitions:
+                log.info("topic %s has %d partitions (> %d asked); kept", s.name, existing[s.name], s.partitions)
+        return await _partition_counts(admin, [s.name for s in specs], expect_all=True)
+    except KafkaError as exc:
+        raise Unavailable(f"topic administration on {bootstrap} failed: {exc}") from exc
+    finally:
+        await admin.close()
+
+
+async def _partition_counts(
+    admin: AIOKafkaAdminClient, names: list[str], expect_all: bool = False
+) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _ in range(50):
+        counts = {
+            t["topic"]: len(t["partitions"])
+            for t in await admin.describe_topics(names)
+            if t["error_code"] == 0 and t["partitions"]
+        }
+        if not expect_all or len(counts) == len(names):
+            return counts
+        # Freshly created topics take a moment to show up in metadata.
+        await asyncio.sleep(0.1)
+    return counts

@@ -1,0 +1,70 @@
+"""The kinfer error hierarchy: one root, typed leaves, behaviour flags.
+
+    KinferError                  root; ``retriable`` says whether the same call may succeed later,
+    │                            ``shed`` says the system refused work to protect its latency
+    ├── InvalidRequest           the request breaks the contract (bad field, over a limit)
+    │   └── UnknownModel         no such model is served
+    ├── Overloaded               refused up front; ``retry_after_s`` says when to try again
+    ├── Shed                     accepted, then dropped by the worker under overload
+    ├── DeadlineExceeded         the deadline passed before a result was produced
+    ├── ModelError               the model raised while computing this request
+    └── Unavailable              Kafka or Redis could not be reached
+
+The worker reports outcomes as a result ``status`` (see ``topics.envelope.Status``);
+``error_for_result`` turns a non-ok result into the matching exception on the client side.
+"""
+
+from __future__ import annotations
+
+
+class KinferError(Exception):
+    """Root of every error kinfer raises on purpose."""
+
+    retriable: bool = False
+    shed: bool = False
+
+
+class InvalidRequest(KinferError):
+    """The request does not satisfy the wire contract; ``field`` names the offending part."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class UnknownModel(InvalidRequest):
+    """The model name is well-formed but nothing serves it."""
+
+
+class Overloaded(KinferError):
+    """Refused before enqueueing: the system cannot meet the deadline now."""
+
+    retriable = True
+    shed = True
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Shed(KinferError):
+    """Accepted, then dropped by a worker to protect higher-priority or younger work."""
+
+    retriable = True
+    shed = True
+
+
+class DeadlineExceeded(KinferError):
+    """No result by the request's deadline (expired in the queue, or the reply never came)."""
+
+    retriable = True
+
+
+class ModelError(KinferError):
+    """The model runner failed on this request."""
+
+
+class Unavailable(KinferError):
+    """A dependency (Kafka, Redis) is unreachable."""
+
+    retriable = True

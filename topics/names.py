@@ -1,0 +1,90 @@
+"""Topic and channel names: the one place that spells them.
+
+    infer.<model>.p0 | p1 | p2     requests, by priority (p0 interactive, p1 standard, p2 batch)
+    infer.dlq                      dead letters: records that failed validation, with a reason header
+    replies.<name>                 durable reply topics, one per client group
+    kinfer:reply:<client-id>       Redis pub/sub reply channels, one per client instance
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+DLQ_TOPIC = "infer.dlq"
+REQUEST_PREFIX = "infer."
+REPLY_TOPIC_PREFIX = "replies."
+REDIS_REPLY_PREFIX = "kinfer:reply:"
+
+# Model names end up inside topic names, so they use a conservative subset of Kafka's alphabet
+# (no '.', which separates the parts of a topic name).
+_MODEL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_ROUTE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+
+class Priority(enum.IntEnum):
+    """Lower value is served first."""
+
+    P0 = 0  # interactive
+    P1 = 1  # standard
+    P2 = 2  # batch
+
+    @property
+    def label(self) -> str:
+        return f"p{self.value}"
+
+    @classmethod
+    def parse(cls, value: int | str) -> Priority:
+        if isinstance(value, str):
+            text = value.lower().removeprefix("p")
+            if not text.isdigit():
+                raise ValueError(f"priority must be p0, p1 or p2, got {value!r}")
+            value = int(text)
+        return cls(value)
+
+
+def valid_model_name(model: str) -> bool:
+    return bool(_MODEL_RE.match(model))
+
+
+def check_model_name(model: str) -> str:
+    if not valid_model_name(model):
+        raise ValueError(
+            f"model name {model!r} must match {_MODEL_RE.pattern} (lowercase letters, digits, '_' and '-')"
+        )
+    return model
+
+
+def request_topic(model: str, priority: Priority | int) -> str:
+    return f"{REQUEST_PREFIX}{check_model_name(model)}.{Priority(priority).label}"
+
+
+def request_topics(model: str) -> list[str]:
+    """All request topics of one model, highest priority first."""
+    return [request_topic(model, p) for p in Priority]
+
+
+def parse_request_topic(topic: str) -> tuple[str, Priority]:
+    """Inverse of ``request_topic``; raises ValueError for any other topic."""
+    parts = topic.split(".")
+    if len(parts) != 3 or parts[0] + "." != REQUEST_PREFIX or not valid_model_name(parts[1]):
+        raise ValueError(f"{topic!r} is not a request topic")
+    return parts[1], Priority.parse(parts[2])
+
+
+def reply_topic(name: str) -> str:
+    return f"{REPLY_TOPIC_PREFIX}{name}"
+
+
+def redis_reply_channel(client_id: str) -> str:
+    return f"{REDIS_REPLY_PREFIX}{client_id}"
+
+
+def valid_route_name(name: str) -> bool:
+    """A reply channel or topic name a worker is willing to publish to."""
+    return bool(_ROUTE_RE.match(name))
+
+
+def consumer_group(model: str) -> str:
+    """Every worker serving ``model`` joins this group, so partitions are shared among them."""
+    return f"kinfer.worker.{check_model_name(model)}"
