@@ -19,6 +19,7 @@ $(VENV)/.kinfer-deps: pyproject.toml
 deps: $(VENV)/.kinfer-deps
 	@command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || \
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server)
+	@command -v java >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q default-jre-headless)
 	@command -v mvn >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q maven)
 	@$(PY) -m ops.cli stack fetch >/dev/null
 

@@ -5,10 +5,11 @@ It is a synchronous state machine in the style of TGI's ``State::next_batch``: t
 
 * **Work-conserving.** When the executor is idle, whatever is queued goes out at once: at low
   arrival rates a fixed window would only add latency.
-* **The window is a ceiling.** While the executor is busy, requests accumulate into the next batch;
-  that batch is sealed (returned with ``idle=False``) once it is full — by inputs or by padded
-  tokens — or once its oldest request has waited ``max_wait_ms``. The worker holds at most one
-  sealed batch ready, so it starts the instant the executor frees up.
+* **The window is a ceiling.** A caller whose executor is busy but could take another batch
+  (several devices, or a pipeline that prepares the next batch during the current forward pass)
+  asks with ``idle=False``: the batch is sealed only once it is full — by inputs or by padded
+  tokens — or once its oldest request has waited ``max_wait_ms``. A single-executor worker asks
+  only when its executor is free, so everything that arrived during the previous pass joins.
 * **Priorities.** Lower ``priority`` values are taken first; within a priority, arrival order.
 * **Deadlines.** ``expire(now)`` removes requests whose deadline has passed, so they get an
   ``expired`` reply instead of compute.

@@ -5,7 +5,8 @@ changing it, so no locks are needed:
 
     fetch loop     getmany() → validate → batcher.add()      (pauses partitions when buffered work
                    bad records → DLQ (+ an ``invalid`` reply)  reaches ``max_buffered_inputs``)
-    dispatch loop  batcher.next_batch() → executor thread → results → publish task
+    dispatch loop  expire → batcher.next_batch() when the executor is free → executor thread →
+                   results → publish task
     commit loop    commits the highest offsets whose replies are out (``OffsetTracker``)
 
 At-least-once: an offset is committed only after the reply for it (and for everything before it
@@ -30,7 +31,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from prometheus_client import start_http_server
 
-from batcher import Batch, BatchPolicy, DynamicBatcher, Pending
+from batcher import Batch, BatchPolicy, DynamicBatcher
 from consumers import metrics
 from consumers.offsets import OffsetTracker
 from consumers.replies import ReplySink
@@ -108,7 +109,6 @@ class Worker:
         self._drained = asyncio.Event()  # dispatch and publishing are over; final commit
         self.ready = asyncio.Event()  # model loaded and partitions assigned
         self._computing: asyncio.Task[None] | None = None
-        self._sealed: Batch[Job] | None = None
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._consumer: AIOKafkaConsumer | None = None
@@ -248,24 +248,22 @@ class Worker:
                      for p in expired]
                 )
             if self._computing is None:
-                batch, self._sealed = self._sealed or self._batcher.next_batch(now, idle=True), None
+                # One executor: a batch forms at the moment it can start, so everything that
+                # arrived during the previous forward pass rides along (up to the size and
+                # token caps). Nothing sits in a sealed batch that later arrivals cannot join.
+                batch = self._batcher.next_batch(now, idle=True)
                 if batch is not None:
                     self._computing = self._spawn(self._compute(batch))
-            if self._computing is not None and self._sealed is None:
-                self._sealed = self._batcher.next_batch(now, idle=False)
             metrics.BUFFERED.labels(self.model).set(self._batcher.pending_inputs)
 
             if self._stopping.is_set():
                 drain_until = drain_until or now + self.settings.drain_timeout_s
-                idle = self._computing is None and self._sealed is None and not self._batcher
+                idle = self._computing is None and not self._batcher
                 if idle or now >= drain_until:
                     if not idle:
                         log.warning("drain timeout: %d requests left for redelivery", len(self._batcher))
                     break
-            timeout = None
-            wake_at = self._batcher.wake_at()
-            if self._computing is not None and self._sealed is None and wake_at is not None:
-                timeout = max(0.0, wake_at - now)
+            timeout = None if drain_until is None else max(0.0, drain_until - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
         if self._computing is not None:
@@ -373,10 +371,6 @@ class Worker:
         if self._consumer is not None:
             await self._commit(self._consumer)
         gone = self._batcher.remove(lambda p: p.payload.tp in revoked)
-        if self._sealed is not None:
-            kept = tuple(p for p in self._sealed.items if p.payload.tp not in revoked)
-            gone += [p for p in self._sealed.items if p.payload.tp in revoked]
-            self._sealed = Batch(kept, self._sealed.sealed_at) if kept else None
         self._tracker.forget(revoked)
         if gone:
             log.info("revoked %s: %d queued requests left for the new owner", sorted(map(str, revoked)), len(gone))
@@ -393,4 +387,4 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         log.info("assigned %s", sorted(map(str, assigned)))
 
 
-__all__ = ["Job", "Pending", "Worker", "WorkerSettings"]
+__all__ = ["Job", "Worker", "WorkerSettings"]

@@ -24,5 +24,8 @@ def bench_model(model: str, batch_sizes: list[int], seconds: float = 5.0) -> dic
             done += size
             i += size
         elapsed = time.perf_counter() - start
-        out["batch"][str(size)] = {"seq_per_s": round(done / elapsed, 1), "ms_per_batch": round(elapsed / (done / size) * 1000, 2)}
+        out["batch"][str(size)] = {
+            "seq_per_s": round(done / elapsed, 1),
+            "ms_per_batch": round(elapsed / (done / size) * 1000, 2),
+        }
     return out

@@ -44,10 +44,10 @@ def cmd_stack(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0 if status["state"] == "up" else 3
     elif args.action == "env":
-        info = stack.load()
-        if info is None:
+        recorded = stack.load()
+        if recorded is None:
             raise StackError("no stack: run `kinfer stack up`")
-        for key, value in info.env().items():
+        for key, value in recorded.env().items():
             print(f"export {key}={value}")
     return 0
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from producers import Client
 from topics import KinferError, Priority, Result
 
-_WORDS = (
-    "kafka broker partition offset consumer group batch window latency deadline priority tenant "
-    "embedding vector model worker replica throughput queue backpressure signal redis channel reply "
-    "token padding sequence attention layer tensor device memory bandwidth compute schedule request "
-    "result stream chunk commit rebalance heartbeat timeout retry shed expire admission quota health"
-).split()
+_WORDS = """
+kafka broker partition offset consumer group batch window latency deadline priority tenant embedding
+vector model worker replica throughput queue backpressure signal redis channel reply token padding
+sequence attention layer tensor device memory bandwidth compute schedule request result stream chunk
+commit rebalance heartbeat timeout retry shed expire admission quota health
+""".split()
 
 
 def make_texts(n: int, min_words: int = 5, max_words: int = 120, seed: int = 7) -> list[str]:

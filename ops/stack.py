@@ -120,12 +120,22 @@ def _stop(pid: int, needle: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+# Processes this Python process started: kept so they are reaped (and not warned about) here.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _spawn(cmd: list[str], log: Path) -> int:
+    with log.open("ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    _CHILDREN[proc.pid] = proc
+    return proc.pid
+
+
 def _reap(pid: int) -> None:
     """Collect the exit status if the process is our child (it is, when started in this process)."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
+    proc = _CHILDREN.get(pid)
+    if proc is not None and proc.poll() is not None:
+        del _CHILDREN[pid]
 
 
 @dataclass(slots=True)
@@ -254,9 +264,7 @@ class LocalStack:
             redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(data), "--daemonize", "no", "--protected-mode", "yes",
         ]
-        with log.open("ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        return proc.pid, log
+        return _spawn(cmd, log), log
 
     def _start_kafka(self, libs: Path, port: int, controller_port: int) -> tuple[int, Path]:
         data = self.home / "kafka-data"
@@ -308,9 +316,7 @@ class LocalStack:
             f"-Dlog4j.configuration=file:{log4j}", f"-Dkafka.logs.dir={self.home}",
             "-cp", classpath, "kafka.Kafka", str(config),
         ]
-        with log.open("ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        return proc.pid, log
+        return _spawn(cmd, log), log
 
 
 def _redis_ready(url: str) -> bool:

@@ -105,6 +105,11 @@ class Client:
         """Replies dropped because their request was already answered (redelivery after a crash)."""
         return self._replies.duplicates
 
+    @property
+    def late_replies(self) -> int:
+        """Replies dropped because their caller had already given up (deadline passed)."""
+        return self._replies.late
+
     # -- calls -------------------------------------------------------------------------------
 
     async def infer(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -17,14 +18,20 @@ log = logging.getLogger(__name__)
 class ReplyMux:
     """Owns the client's reply channel and hands each result to the caller waiting for it.
 
-    A result whose id nobody waits for — a second copy after a worker redelivery, or one that
-    arrived after its caller gave up — is counted in ``duplicates`` and dropped: a caller sees
-    exactly one result per request.
+    A result whose id nobody waits for is dropped, so a caller sees exactly one result per request.
+    Recently finished ids are remembered (bounded) to tell the two kinds of stray reply apart:
+    ``duplicates`` are second copies of an answered request (a worker redelivery after a crash);
+    ``late`` are replies to requests whose caller had already given up.
     """
+
+    RECENT = 50_000  # finished request ids remembered for the counters above
 
     def __init__(self, redis: aioredis.Redis, channel: str) -> None:
         self.channel = channel
         self.duplicates = 0
+        self.late = 0
+        self.unknown = 0
+        self._recent: OrderedDict[str, bool] = OrderedDict()  # id → answered (False: abandoned)
         self._redis = redis
         self._pubsub = redis.pubsub(ignore_subscribe_messages=False)
         self._waiters: dict[str, asyncio.Future[Result]] = {}
@@ -50,7 +57,7 @@ class ReplyMux:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
         with contextlib.suppress(RedisError):
-            await self._pubsub.aclose()
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
         self._fail_all(Unavailable("client closed"))
 
     def expect(self, request_id: str) -> asyncio.Future[Result]:
@@ -62,7 +69,15 @@ class ReplyMux:
         return fut
 
     def forget(self, request_id: str) -> None:
-        self._waiters.pop(request_id, None)
+        """The caller is done with ``request_id`` (answered or not)."""
+        fut = self._waiters.pop(request_id, None)
+        self._remember(request_id, answered=fut is None or (fut.done() and not fut.cancelled()))
+
+    def _remember(self, request_id: str, answered: bool) -> None:
+        self._recent[request_id] = answered
+        self._recent.move_to_end(request_id)
+        while len(self._recent) > self.RECENT:
+            self._recent.popitem(last=False)
 
     @property
     def waiting(self) -> int:
@@ -79,10 +94,17 @@ class ReplyMux:
                 log.warning("dropping an unreadable reply on %s: %s", self.channel, exc)
                 continue
             fut = self._waiters.pop(result.id, None)
-            if fut is None or fut.done():
-                self.duplicates += 1
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+                self._remember(result.id, answered=True)
                 continue
-            fut.set_result(result)
+            answered = self._recent.get(result.id)
+            if answered is None:
+                self.unknown += 1
+            elif answered:
+                self.duplicates += 1
+            else:
+                self.late += 1
 
     def _reader_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():

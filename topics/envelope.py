@@ -189,7 +189,8 @@ def new_request_id() -> str:
 
 def pack(message: Request | Result) -> bytes:
     # Floats go out as float32: embeddings need no more, and they halve in size.
-    return msgpack.packb(message.to_wire(), use_bin_type=True, use_single_float=True)
+    data: bytes = msgpack.packb(message.to_wire(), use_bin_type=True, use_single_float=True)
+    return data
 
 
 def _unpack(data: bytes, limits: Limits, *, max_array: int) -> Any:
@@ -209,7 +210,14 @@ def _unpack(data: bytes, limits: Limits, *, max_array: int) -> Any:
             max_ext_len=0,
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise InvalidRequest(f"not a valid msgpack envelope: {exc}", "message") from exc
+        text = str(exc)
+        if "max_array_len" in text:  # the only array in a request is ``inputs``
+            raise InvalidRequest(f"too many inputs: over the limit of {max_array} ({text})", "inputs") from exc
+        if "max_str_len" in text:
+            raise InvalidRequest(
+                f"a string is over the limit of {limits.max_text_chars} characters ({text})", "inputs"
+            ) from exc
+        raise InvalidRequest(f"not a valid msgpack envelope: {text}", "message") from exc
 
 
 def _header(obj: Any, kind: str) -> dict[str, Any]:

@@ -48,4 +48,5 @@ class EmbeddingRunner:
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
         normed = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
-        return normed.cpu().tolist()  # type: ignore[no-any-return]
+        vectors: list[Any] = normed.cpu().tolist()
+        return vectors

@@ -1,0 +1,130 @@
+"""Integration fixtures: a real Kafka broker and a real Redis, real worker processes.
+
+The session starts its own stack in a temporary folder (free ports) and stops it at the end,
+unless KINFER_BOOTSTRAP and KINFER_REDIS_URL name an external broker and Redis to use instead.
+Each test serves its own model name, so its topics and consumer group are its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ops.stack import LocalStack, StackInfo, free_port
+from producers import Client
+from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+
+pytestmark = pytest.mark.integration
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    bootstrap, redis_url = os.environ.get("KINFER_BOOTSTRAP"), os.environ.get("KINFER_REDIS_URL")
+    if bootstrap and redis_url:
+        yield StackInfo("external", bootstrap, redis_url, 0, 0, "", "")
+        return
+    local = LocalStack(tmp_path_factory.mktemp("stack"))
+    info, _ = local.up()
+    try:
+        yield info
+    finally:
+        local.down()
+
+
+@pytest.fixture
+def model_name() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def topics(stack: StackInfo, model_name: str) -> str:
+    await ensure_topics(stack.bootstrap, [dlq_topic_spec(), *model_topic_specs(model_name, 3)])
+    return model_name
+
+
+@pytest.fixture
+async def client(stack: StackInfo) -> AsyncIterator[Client]:
+    async with Client(stack.bootstrap, stack.redis_url, tenant="tests") as c:
+        yield c
+
+
+class WorkerProcess:
+    """A real ``kinfer worker`` process, its log, and its metrics endpoint."""
+
+    def __init__(self, stack: StackInfo, model: str, log_dir: Path, *args: str) -> None:
+        self.metrics_port = free_port()
+        self.worker_id = f"w-{uuid.uuid4().hex[:6]}"
+        self.log_path = log_dir / f"{self.worker_id}.log"
+        env = {**os.environ, **stack.env(), "HF_HUB_OFFLINE": "1"}
+        cmd = [
+            sys.executable, "-m", "ops.cli", "worker", "--model", model, "--worker-id", self.worker_id,
+            "--metrics-port", str(self.metrics_port), *args,
+        ]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples whose labels include ``labels``; 0 before the endpoint is up."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return 0.0
+        total = 0.0
+        for line in text.splitlines():
+            match = _SAMPLE.match(line)
+            if match is None or match["name"] != name:
+                continue
+            found = dict(_LABEL.findall(match["labels"] or ""))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(match["value"])
+        return total
+
+    async def wait_metric(self, name: str, at_least: float, timeout_s: float = 120.0, **labels: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.metric(name, **labels) < at_least:
+            assert self.proc.poll() is None, f"worker exited:\n{self.log()[-3000:]}"
+            assert time.monotonic() < deadline, f"{name} never reached {at_least}:\n{self.log()[-3000:]}"
+            await asyncio.sleep(0.1)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def spawn_worker(stack: StackInfo, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    started: list[WorkerProcess] = []
+
+    def spawn(model: str, *args: str) -> WorkerProcess:
+        w = WorkerProcess(stack, model, tmp_path, *args)
+        started.append(w)
+        return w
+
+    yield spawn
+    for w in started:
+        if w.proc.poll() is None:
+            w.proc.kill()
+            w.proc.wait()

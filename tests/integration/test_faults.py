@@ -1,0 +1,159 @@
+"""Faults: bad input, a worker killed mid-batch, a graceful stop, requests that expire in the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from ops.demo import wait_until_served
+from ops.stack import StackInfo
+from producers import Client
+from tests.integration.conftest import WorkerProcess
+from topics import (
+    DeadlineExceeded,
+    Priority,
+    ReplyRoute,
+    Request,
+    RouteKind,
+    Status,
+    decode_result,
+    now_ms,
+    pack,
+)
+from topics.names import DLQ_TOPIC, consumer_group, request_topic, request_topics
+
+pytestmark = pytest.mark.integration
+
+
+async def dead_letters_from(bootstrap: str, model: str, want: int, timeout_s: float = 60.0) -> list[dict[str, str]]:
+    """Headers of the DLQ records whose source is one of ``model``'s topics."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        consumer.assign([TopicPartition(DLQ_TOPIC, 0)])
+        found: list[dict[str, str]] = []
+        deadline = time.monotonic() + timeout_s
+        while len(found) < want and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for rec in records:
+                    headers = {k: v.decode() for k, v in rec.headers}
+                    if headers["source"].startswith(f"infer.{model}."):
+                        found.append(headers)
+        return found
+    finally:
+        await consumer.stop()
+
+
+async def test_bad_records_go_to_the_dead_letter_topic_and_the_worker_keeps_answering(
+    client: Client, stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    worker = spawn_worker(topics, "--family", "noop")
+    await wait_until_served(client, topics)
+    channel = f"kinfer:reply:test-{uuid.uuid4().hex[:8]}"
+    over_limit = Request(
+        id="too-big", model=topics, priority=Priority.P1, tenant="tests", created_ms=now_ms(),
+        deadline_ms=now_ms() + 30_000, inputs=("x" * 20_000,), reply=ReplyRoute(RouteKind.REDIS, channel),
+    )
+    async with aioredis.Redis.from_url(stack.redis_url) as r, r.pubsub() as sub:
+        await sub.subscribe(channel)
+        producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap)
+        await producer.start()
+        try:
+            topic = request_topic(topics, Priority.P1)
+            await producer.send_and_wait(topic, b"\x93\x01\x02 this is not an envelope")
+            await producer.send_and_wait(topic, pack(over_limit))
+            await producer.send_and_wait(topic, msgpack.packb({"v": 1, "t": "req", "id": "no-fields"}))
+        finally:
+            await producer.stop()
+        # The over-limit request named its reply route, so its caller hears why it was refused.
+        reply = None
+        for _ in range(200):
+            msg = await sub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+            if msg is not None:
+                reply = decode_result(msg["data"])
+                break
+        assert reply is not None and reply.id == "too-big" and reply.status is Status.INVALID
+        assert "over the limit of 16384" in (reply.error or "")
+
+    letters = await dead_letters_from(stack.bootstrap, topics, want=3)
+    reasons = sorted((h["field"], h["reason"]) for h in letters)
+    assert [f for f, _ in reasons] == ["inputs", "message", "model"], reasons
+    assert "not a valid msgpack envelope" in dict(reasons)["message"]
+    assert "over the limit" in dict(reasons)["inputs"]
+    # ...and the worker is still serving.
+    result = await client.infer(topics, ["still here"], deadline_ms=10_000)
+    assert result.outputs == [len("still here")]
+    assert worker.metric("kinfer_dead_letters_total") == 3
+
+
+async def test_worker_killed_after_fetching_loses_nothing(
+    client: Client, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    instance = f"inst-{uuid.uuid4().hex[:6]}"
+    common = ("--family", "noop", "--instance-id", instance, "--session-timeout-ms", "6000")
+    # This worker fetches, starts its first batch and never finishes it.
+    stuck = spawn_worker(topics, *common, "--option", "compute_ms=600000")
+    calls = [
+        asyncio.create_task(client.infer(topics, [f"request {i}"], deadline_ms=120_000, request_id=f"k{i}-{instance}"))
+        for i in range(20)
+    ]
+    await stuck.wait_metric("kinfer_queue_wait_seconds_count", 20)  # all 20 fetched, none answered
+    assert not any(c.done() for c in calls)
+    stuck.proc.kill()
+    stuck.proc.wait()
+
+    rescuer = spawn_worker(topics, *common)  # same static member id: takes the partitions over at once
+    results = await asyncio.wait_for(asyncio.gather(*calls), 120)
+    assert sorted(r.id for r in results) == sorted(f"k{i}-{instance}" for i in range(20))
+    assert all(r.ok and r.worker == rescuer.worker_id for r in results)
+    assert [r.outputs for r in results] == [[len(f"request {i}")] for i in range(20)]
+
+
+async def test_sigterm_finishes_the_batch_replies_and_commits(
+    client: Client, stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    worker = spawn_worker(topics, "--family", "noop", "--option", "compute_ms=200", "--max-batch-size", "4")
+    await wait_until_served(client, topics)
+    calls = [asyncio.create_task(client.infer(topics, [f"r{i}"], deadline_ms=60_000)) for i in range(30)]
+    await worker.wait_metric("kinfer_queue_wait_seconds_count", 31)  # the probe + 30 fetched
+    assert worker.stop() == 0
+    results = await asyncio.gather(*calls)
+    assert all(r.ok and r.worker == worker.worker_id for r in results)
+
+    # Everything it answered is committed: a successor would find nothing to redo.
+    admin = AIOKafkaAdminClient(bootstrap_servers=stack.bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)
+    await admin.start()
+    await consumer.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(consumer_group(topics))
+        parts = [TopicPartition(t, p) for t in request_topics(topics) for p in range(3)]
+        ends = await consumer.end_offsets(parts)
+        for tp in parts:
+            position = committed[tp].offset if tp in committed else 0
+            assert position == ends[tp], (tp, position, ends[tp])
+    finally:
+        await consumer.stop()
+        await admin.close()
+
+
+async def test_request_that_expires_in_the_queue_gets_no_compute(
+    client: Client, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    worker = spawn_worker(topics, "--family", "noop", "--option", "compute_ms=1500")
+    await wait_until_served(client, topics, timeout_s=180)
+    slow = asyncio.create_task(client.infer(topics, ["occupies the model"], deadline_ms=30_000))
+    await worker.wait_metric("kinfer_queue_wait_seconds_count", 2)
+    with pytest.raises(DeadlineExceeded):
+        await client.infer(topics, ["too late"], priority=Priority.P0, deadline_ms=300)
+    assert (await slow).ok
+    await worker.wait_metric("kinfer_results_total", 1, status="expired")
+    assert worker.metric("kinfer_results_total", status="ok") == 2  # the probe and the slow one only

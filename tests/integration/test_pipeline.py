@@ -1,0 +1,92 @@
+"""One real request path: client → Kafka → worker (batched, all-MiniLM-L6-v2) → Redis → client."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from consumers.runners.registry import minilm_path
+from ops.demo import wait_until_served
+from ops.load import make_texts
+from ops.stack import StackInfo
+from producers import Client
+from tests.integration.conftest import WorkerProcess
+from topics import Priority, UnknownModel, pack
+
+pytestmark = pytest.mark.integration
+
+MINILM = ("--family", "embedding", "--path", str(minilm_path()))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+async def test_embedding_matches_a_direct_model_call(
+    client: Client, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    spawn_worker(topics, *MINILM)
+    await wait_until_served(client, topics)
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Consumer groups share the partitions of a topic among their members.",
+        " ".join(make_texts(1, 100, 120)),
+    ]
+    result = await client.infer(topics, texts, priority=Priority.P0, deadline_ms=30_000)
+    reference = SentenceTransformer(str(minilm_path()), device="cpu").encode(texts)
+    got = np.array(result.outputs, dtype=np.float32)
+    assert got.shape == (3, 384)
+    assert (cosine(got, reference) > 0.999).all(), cosine(got, reference)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
+
+
+async def test_500_concurrent_requests_each_answered_once_and_batched(
+    client: Client, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    worker = spawn_worker(topics, *MINILM)
+    await wait_until_served(client, topics)
+    texts = make_texts(500, min_words=3, max_words=16, seed=5)
+    ids = [f"c-{uuid.uuid4().hex[:12]}" for _ in texts]
+    results = await asyncio.gather(
+        *(client.infer(topics, [t], deadline_ms=180_000, request_id=i) for t, i in zip(texts, ids, strict=True))
+    )
+    assert [r.id for r in results] == ids  # each caller got its own result
+    assert all(r.ok and len(r.outputs) == 1 and len(r.outputs[0]) == 384 for r in results)
+    sizes = [r.timings.batch_size for r in results]
+    assert max(sizes) > 1 and sum(sizes) / len(sizes) > 2, f"no batching: {sorted(set(sizes))}"
+    assert client.duplicate_replies == 0
+    # The results belong to their own texts: a few checked against a single-text call.
+    for k in (0, 123, 499):
+        alone = await client.infer(topics, [texts[k]], deadline_ms=30_000)
+        assert cosine(np.array(results[k].outputs), np.array(alone.outputs))[0] > 0.999
+    assert worker.metric("kinfer_results_total") >= 503
+
+
+async def test_a_second_copy_of_a_reply_never_reaches_the_caller(
+    client: Client, stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    spawn_worker(topics, "--family", "noop")
+    await wait_until_served(client, topics)
+    result = await client.infer(topics, ["once"], deadline_ms=10_000)
+    # What a worker does after a redelivery: publish the same result again on the same route.
+    async with aioredis.Redis.from_url(stack.redis_url) as r:
+        assert await r.publish(f"kinfer:reply:{client.client_id}", pack(result)) == 1
+    for _ in range(100):
+        if client.duplicate_replies:
+            break
+        await asyncio.sleep(0.05)
+    assert client.duplicate_replies == 1
+    again = await client.infer(topics, ["still works"], deadline_ms=10_000)
+    assert again.outputs == [len("still works")]
+
+
+async def test_unknown_model_fails_before_sending(client: Client) -> None:
+    with pytest.raises(UnknownModel, match="not served"):
+        await client.infer("no-such-model", ["x"], deadline_ms=2_000)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+
+from topics.names import (
+    Priority,
+    consumer_group,
+    parse_request_topic,
+    redis_reply_channel,
+    request_topic,
+    request_topics,
+)
+
+
+def test_request_topics_are_per_model_and_priority() -> None:
+    assert request_topic("minilm", Priority.P0) == "infer.minilm.p0"
+    assert request_topics("m-1") == ["infer.m-1.p0", "infer.m-1.p1", "infer.m-1.p2"]
+    assert parse_request_topic("infer.m-1.p2") == ("m-1", Priority.P2)
+    assert consumer_group("minilm") == "kinfer.worker.minilm"
+    assert redis_reply_channel("abc") == "kinfer:reply:abc"
+
+
+@pytest.mark.parametrize("name", ["", "Upper", "dot.ted", "x" * 64, "-lead", "sp ace"])
+def test_bad_model_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError):
+        request_topic(name, Priority.P1)
+
+
+@pytest.mark.parametrize("topic", ["infer.dlq", "infer.m.p9", "replies.x", "infer.M.p0", "infer.m.p0.extra"])
+def test_parse_rejects_other_topics(topic: str) -> None:
+    with pytest.raises(ValueError):
+        parse_request_topic(topic)
+
+
+def test_priority_parse() -> None:
+    assert Priority.parse("p2") is Priority.P2
+    assert Priority.parse(0) is Priority.P0
+    with pytest.raises(ValueError):
+        Priority.parse("high")

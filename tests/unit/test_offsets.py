@@ -1,0 +1,53 @@
+"""Commit positions never pass an offset whose reply is not out."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from consumers.offsets import OffsetTracker
+
+
+def test_out_of_order_completion() -> None:
+    t: OffsetTracker[str] = OffsetTracker()
+    for off in range(5):
+        t.track("p0", off)
+    t.done("p0", 3)
+    t.done("p0", 1)
+    assert t.committable() == {"p0": 0}  # offset 0 still open
+    t.done("p0", 0)
+    assert t.committable() == {"p0": 2}
+    t.mark_committed({"p0": 2})
+    assert t.committable() == {}  # nothing moved
+    t.done("p0", 2)
+    t.done("p0", 4)
+    assert t.committable() == {"p0": 5}
+    assert t.in_flight() == 0
+
+
+def test_only_assigned_partitions_and_forget() -> None:
+    t: OffsetTracker[str] = OffsetTracker()
+    t.track("a", 10)
+    t.track("b", 20)
+    t.done("a", 10)
+    t.done("b", 20)
+    assert t.committable(assigned={"a"}) == {"a": 11}
+    t.forget(["b"])
+    assert t.committable() == {"a": 11}
+
+
+@given(st.lists(st.integers(0, 50), unique=True, min_size=1), st.data())
+def test_commit_position_is_safe(offsets: list[int], data: st.DataObject) -> None:
+    t: OffsetTracker[str] = OffsetTracker()
+    for off in sorted(offsets):
+        t.track("p", off)
+    finished: set[int] = set()
+    for off in data.draw(st.permutations(offsets)):
+        t.done("p", off)
+        finished.add(off)
+        position = t.committable().get("p")
+        if position is not None:
+            # Every tracked offset below the position is finished.
+            assert all(o in finished for o in offsets if o < position)
+            t.mark_committed({"p": position})
+    assert t.committable() == {} or t.committable() == {"p": max(offsets) + 1}
