@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="start everything, send a steady stream of requests, report latency, stop")
     d.add_argument("--requests", type=int, default=300)
-    d.add_argument("--rate", type=float, default=50.0, help="requests per second (open loop)")
+    d.add_argument("--rate", type=float, default=30.0, help="requests per second (open loop)")
     d.add_argument("--model", default="minilm")
     d.add_argument("--partitions", type=int, default=3)
     d.set_defaults(func=cmd_demo)
