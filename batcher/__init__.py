@@ -1,5 +1,25 @@
-"""Batching decisions over plain data: no I/O, no clock (``now`` is always passed in)."""
+"""Batching decisions over plain data: no I/O, no asyncio, no torch, no clock (``now`` is passed in).
 
-from batcher.dynamic import Batch, BatchPolicy, DynamicBatcher, Pending
+- ``DynamicBatcher``: one model's queue — priorities with aging, padded-token budgets, length
+  bucketing, work-conserving dispatch, deadline-aware shedding and CoDel.
+- ``ServiceTimeModel``: online estimate of a batch's compute time.
+- ``DeficitRoundRobin``: fair sharing of one executor between co-located models.
+"""
 
-__all__ = ["Batch", "BatchPolicy", "DynamicBatcher", "Pending"]
+from batcher.codel import CoDel
+from batcher.dynamic import Batch, BatchPolicy, Dropped, DynamicBatcher, Pending, Reason
+from batcher.fair import DeficitRoundRobin
+from batcher.service import ServicePrior, ServiceTimeModel
+
+__all__ = [
+    "Batch",
+    "BatchPolicy",
+    "CoDel",
+    "DeficitRoundRobin",
+    "Dropped",
+    "DynamicBatcher",
+    "Pending",
+    "Reason",
+    "ServicePrior",
+    "ServiceTimeModel",
+]

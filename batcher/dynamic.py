@@ -1,29 +1,53 @@
-"""The dynamic batcher: size cap, padded-token cap, a wait ceiling, priorities, deadlines.
+"""The dynamic batcher: what runs next, what waits, and what is refused.
 
-It is a synchronous state machine in the style of TGI's ``State::next_batch``: the worker calls
-``add`` for each request it fetches and ``next_batch(now, idle=...)`` whenever something changed.
+A synchronous state machine in the style of TGI's ``State::next_batch`` and vLLM's scheduler: the
+worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and then
+``next_batch(now, idle=...)`` whenever something changed, and ``observe`` after each forward pass.
+``now`` is always passed in (seconds on one monotonic clock); the batcher never reads a clock.
 
-* **Work-conserving.** When the executor is idle, whatever is queued goes out at once: at low
-  arrival rates a fixed window would only add latency.
-* **The window is a ceiling.** A caller whose executor is busy but could take another batch
-  (several devices, or a pipeline that prepares the next batch during the current forward pass)
-  asks with ``idle=False``: the batch is sealed only once it is full — by inputs or by padded
-  tokens — or once its oldest request has waited ``max_wait_ms``. A single-executor worker asks
-  only when its executor is free, so everything that arrived during the previous pass joins.
-* **Priorities.** Lower ``priority`` values are taken first; within a priority, arrival order.
-* **Deadlines.** ``expire(now)`` removes requests whose deadline has passed, so they get an
-  ``expired`` reply instead of compute.
+**Which requests run together**
 
-``now`` and deadlines are seconds on one monotonic clock chosen by the caller.
+* Requests are ranked by *effective level*: their priority (0 first), improved by one level for
+  every ``aging_ms`` they have waited, then by arrival. A p2 request cannot starve: after
+  ``2 × aging_ms`` it competes with fresh p0 requests.
+* The best-ranked request anchors the batch. Others join in rank order while the batch stays
+  within ``max_batch_size`` inputs, ``max_batch_tokens`` *padded* tokens (inputs × longest), and
+  ``max_padding_ratio`` (padded / real tokens): a 100-token request does not ride with a
+  5-token anchor, so padding stays low (length bucketing around the anchor). A request skipped
+  this way closes the batch to every lower level, so a higher priority never waits behind a lower
+  one except as aging allows.
+
+**When a batch goes out**
+
+* ``mode="dynamic"`` is work-conserving: an idle executor gets a batch at once — at low rates a
+  fixed window would only add latency. A caller whose executor is busy but could take another
+  batch (pipelining, several devices) asks with ``idle=False``; the batch is sealed once full,
+  once its oldest request has waited ``max_wait_ms`` (≤ 100), or once the tightest deadline in it
+  leaves less than two predicted service times of slack.
+* ``mode="window"`` is the naive baseline for benchmarks: a batch goes out only when full or when
+  its oldest request has waited ``max_wait_ms``, idle executor or not.
+
+**What is refused** (``shed``), each with a reason the caller turns into a reply:
+
+* ``expired``: the deadline has passed.
+* ``deadline``: it cannot finish in time even if it ran alone as soon as the executor is free
+  (``free_at`` + its predicted service time): refused now, not computed late.
+* ``codel``: a standing queue persists (CoDel on sojourn time since the request entered Kafka);
+  the oldest request of the lowest priority at or above ``codel_min_priority`` goes first.
+
+Service times come from an online ``ServiceTimeModel`` fed by ``observe``.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
+
+from batcher.codel import CoDel
+from batcher.service import ServiceTimeModel
 
 T = TypeVar("T")
 
@@ -33,9 +57,15 @@ MAX_WAIT_CEILING_MS = 100.0
 @dataclass(frozen=True, slots=True)
 class BatchPolicy:
     max_batch_size: int = 32  # inputs (sequences) in one forward pass
-    max_batch_tokens: int = 16_384  # padded tokens: inputs × longest input, in one forward pass
-    max_wait_ms: float = 20.0  # ceiling on how long the oldest request waits for its batch to seal
-    levels: int = 3  # number of priority levels (0 is served first)
+    max_batch_tokens: int = 8_192  # padded tokens (inputs × longest) in one forward pass
+    max_wait_ms: float = 20.0  # ceiling on the oldest request's wait for its batch to seal
+    mode: Literal["dynamic", "window"] = "dynamic"
+    aging_ms: float = 250.0  # waiting this long improves a request by one priority level
+    max_padding_ratio: float = 1.6  # padded / real tokens a joining request may push a batch to
+    codel_target_ms: float = 50.0  # acceptable standing-queue sojourn
+    codel_interval_ms: float = 500.0  # how long it must persist before shedding starts
+    codel_min_priority: int = 1  # CoDel never sheds priorities below this (p0 is protected)
+    levels: int = 3  # priority levels (0 is served first)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -44,8 +74,25 @@ class BatchPolicy:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if not 0.0 <= self.max_wait_ms <= MAX_WAIT_CEILING_MS:
             raise ValueError(f"max_wait_ms must be within [0, {MAX_WAIT_CEILING_MS}], got {self.max_wait_ms}")
+        if self.mode not in ("dynamic", "window"):
+            raise ValueError(f"mode must be 'dynamic' or 'window', got {self.mode!r}")
+        if self.aging_ms <= 0:
+            raise ValueError(f"aging_ms must be > 0 (use math.inf for no aging), got {self.aging_ms}")
+        if self.max_padding_ratio < 1.0:
+            raise ValueError(f"max_padding_ratio must be >= 1, got {self.max_padding_ratio}")
+        if self.codel_target_ms <= 0 or self.codel_interval_ms <= 0:
+            raise ValueError(
+                f"codel_target_ms ({self.codel_target_ms}) and codel_interval_ms ({self.codel_interval_ms}) "
+                "must be > 0"
+            )
         if self.levels < 1:
             raise ValueError(f"levels must be >= 1, got {self.levels}")
+
+
+class Reason(enum.StrEnum):
+    EXPIRED = "expired"  # deadline already passed
+    DEADLINE = "deadline"  # would finish after its deadline
+    CODEL = "codel"  # standing queue: shed to protect the rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,19 +101,30 @@ class Pending(Generic[T]):
 
     payload: T  # opaque to the batcher
     priority: int  # 0 first
-    arrival: float  # when it was added (caller's monotonic seconds)
-    deadline: float  # when its result stops being useful (same clock)
+    arrival: float  # when it was added
+    enqueued: float  # when it entered the system (the Kafka record timestamp), for sojourn
+    deadline: float  # when its result stops being useful
     size: int  # inputs it contributes to the batch
     longest: int  # tokens in its longest input (drives padding)
     seq: int  # arrival order, breaks ties
 
+    def level(self, now: float, aging_s: float) -> int:
+        return max(0, self.priority - int((now - self.arrival) / aging_s))
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped(Generic[T]):
+    pending: Pending[T]
+    reason: Reason
+
 
 @dataclass(frozen=True, slots=True)
 class Batch(Generic[T]):
-    """A sealed batch: the requests to run together, in the order they were taken."""
+    """The requests to run together, in the order they were taken."""
 
     items: tuple[Pending[T], ...]
     sealed_at: float  # when next_batch returned it
+    predicted_s: float  # the service-time model's guess for it
 
     @property
     def size(self) -> int:
@@ -77,9 +135,13 @@ class Batch(Generic[T]):
         return self.size * max(p.longest for p in self.items)
 
     @property
-    def real_tokens_upper(self) -> int:
-        """Tokens if every input were as long as its request's longest: an upper bound on real work."""
+    def real_tokens(self) -> int:
+        """Tokens if each request's inputs were as long as its longest: real work, bounded above."""
         return sum(p.size * p.longest for p in self.items)
+
+    @property
+    def padding_ratio(self) -> float:
+        return self.padded_tokens / self.real_tokens
 
     @property
     def payloads(self) -> list[T]:
@@ -87,96 +149,169 @@ class Batch(Generic[T]):
 
 
 class DynamicBatcher(Generic[T]):
-    def __init__(self, policy: BatchPolicy) -> None:
+    def __init__(self, policy: BatchPolicy, service: ServiceTimeModel | None = None) -> None:
         self.policy = policy
-        self._queues: list[deque[Pending[T]]] = [deque() for _ in range(policy.levels)]
+        self.service = service or ServiceTimeModel()
+        self._items: dict[int, Pending[T]] = {}  # by seq; dicts keep arrival order
         self._seq = itertools.count()
         self._inputs = 0
+        self._inputs_by_priority = [0] * policy.levels
+        self._codel = CoDel(policy.codel_target_ms / 1000.0, policy.codel_interval_ms / 1000.0)
+        self._aging_s = policy.aging_ms / 1000.0
+        self._max_wait_s = policy.max_wait_ms / 1000.0
 
     # -- state -------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._queues)
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Pending[T]]:
+        return iter(list(self._items.values()))
 
     @property
     def pending_inputs(self) -> int:
         return self._inputs
 
-    def __iter__(self) -> Iterator[Pending[T]]:
-        for q in self._queues:
-            yield from q
+    def pending_inputs_at(self, priority: int) -> int:
+        return self._inputs_by_priority[priority]
 
-    def add(self, payload: T, *, priority: int, size: int, longest: int, deadline: float, now: float) -> None:
+    @property
+    def shedding(self) -> bool:
+        """CoDel is in its dropping state: a standing queue persists."""
+        return self._codel.dropping
+
+    def add(
+        self, payload: T, *, priority: int, size: int, longest: int, deadline: float, now: float,
+        enqueued: float | None = None,
+    ) -> Pending[T]:
         if not 0 <= priority < self.policy.levels:
             raise ValueError(f"priority must be within [0, {self.policy.levels}), got {priority}")
         if size < 1 or longest < 1:
             raise ValueError(f"size and longest must be >= 1, got {size} and {longest}")
-        self._queues[priority].append(Pending(payload, priority, now, deadline, size, longest, next(self._seq)))
-        self._inputs += size
-
-    # -- decisions ---------------------------------------------------------------------------
-
-    def next_batch(self, now: float, *, idle: bool) -> Batch[T] | None:
-        """The next batch to run, or None if nothing should go out yet.
-
-        ``idle``: the executor could start this batch right now. Otherwise a batch is returned only
-        once sealed: full, or its oldest request has waited ``max_wait_ms``.
-        """
-        if not self:
-            return None
-        taken, full = self._plan()
-        if not idle and not full and now - self._oldest_arrival() < self.policy.max_wait_ms / 1000.0:
-            return None
-        for p in taken:
-            self._queues[p.priority].popleft()
-            self._inputs -= p.size
-        return Batch(tuple(taken), now)
-
-    def wake_at(self) -> float | None:
-        """When a busy-executor batch would seal by time alone (None when the queue is empty)."""
-        if not self:
-            return None
-        return self._oldest_arrival() + self.policy.max_wait_ms / 1000.0
-
-    def expire(self, now: float) -> list[Pending[T]]:
-        """Remove and return every request whose deadline has passed."""
-        return self.remove(lambda p: p.deadline <= now)
+        p = Pending(payload, priority, now, min(now, enqueued if enqueued is not None else now), deadline, size,
+                    longest, next(self._seq))
+        self._items[p.seq] = p
+        self._account(p, +1)
+        return p
 
     def remove(self, predicate: Callable[[Pending[T]], bool]) -> list[Pending[T]]:
         """Remove and return every queued request matching ``predicate`` (e.g. of a revoked partition)."""
-        gone: list[Pending[T]] = []
-        for i, q in enumerate(self._queues):
-            keep: deque[Pending[T]] = deque()
-            for p in q:
-                (gone if predicate(p) else keep).append(p)
-            self._queues[i] = keep
-        self._inputs -= sum(p.size for p in gone)
+        gone = [p for p in self._items.values() if predicate(p)]
+        for p in gone:
+            self._take(p)
         return gone
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def predict(self, items: list[Pending[T]] | tuple[Pending[T], ...]) -> float:
+        size = sum(p.size for p in items)
+        return self.service.predict(size * max(p.longest for p in items), size)
+
+    def shed(self, now: float, *, free_at: float | None = None) -> list[Dropped[T]]:
+        """Remove and return the requests to refuse now, each with its reason.
+
+        ``free_at``: when the executor is expected to be free (``now`` when it is idle).
+        """
+        start = now if free_at is None else max(now, free_at)
+        dropped: list[Dropped[T]] = []
+        for p in list(self._items.values()):
+            if p.deadline <= now:
+                dropped.append(Dropped(p, Reason.EXPIRED))
+            elif start + self.predict([p]) > p.deadline:
+                dropped.append(Dropped(p, Reason.DEADLINE))
+        for d in dropped:
+            self._take(d.pending)
+        self._codel.observe(self._standing(now), now)
+        while self._codel.should_drop(now):
+            victim = self._codel_victim()
+            if victim is None:
+                break
+            self._take(victim)
+            dropped.append(Dropped(victim, Reason.CODEL))
+            self._codel.observe(self._standing(now), now)
+        return dropped
+
+    def next_batch(self, now: float, *, idle: bool) -> Batch[T] | None:
+        """The next batch to run, or None if nothing should go out yet (see the module doc)."""
+        if not self._items:
+            return None
+        taken, full = self._plan(now)
+        predicted = self.predict(taken)
+        oldest = min(p.arrival for p in taken)
+        waited_out = now - oldest >= self._max_wait_s
+        if self.policy.mode == "window":
+            ready = full or waited_out
+        else:
+            tight = min(p.deadline for p in taken) - now <= 2.0 * predicted
+            ready = idle or full or waited_out or tight
+        if not ready:
+            return None
+        for p in taken:
+            self._take(p)
+        self._codel.observe(self._standing(now), now)
+        return Batch(tuple(taken), now, predicted)
+
+    def observe(self, batch: Batch[T], seconds: float) -> None:
+        """Feed the measured duration of a finished batch to the service-time model."""
+        self.service.observe(batch.padded_tokens, batch.size, seconds)
+
+    def wake_at(self, now: float, *, idle: bool) -> float | None:
+        """The next time a decision could change with no new arrival (None: only events matter)."""
+        if not self._items:
+            return None
+        times: list[float] = []
+        if self.policy.mode == "window" or not idle:
+            times.append(min(p.arrival for p in self._items.values()) + self._max_wait_s)
+        # The moment a queued request can no longer make its deadline: refuse it then, not later.
+        times.append(min(p.deadline - self.predict([p]) for p in self._items.values()))
+        drop_at = self._codel.next_drop_at()
+        if drop_at is not None:
+            times.append(drop_at)
+        return max(now, min(times))
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _oldest_arrival(self) -> float:
-        return min(q[0].arrival for q in self._queues if q)
-
-    def _plan(self) -> tuple[list[Pending[T]], bool]:
-        """Requests for the next batch in priority order, and whether the batch is full.
-
-        Takes the head of the queue in order and stops at the first request that does not fit, so
-        nothing is overtaken by a smaller request behind it. A single request larger than the
-        limits still forms a batch of its own (requests are never split).
-        """
-        taken: list[Pending[T]] = []
-        size = longest = 0
-        for q in self._queues:
-            for p in q:
-                new_size = size + p.size
-                new_longest = max(longest, p.longest)
-                if taken and (
-                    new_size > self.policy.max_batch_size
-                    or new_size * new_longest > self.policy.max_batch_tokens
-                ):
-                    return taken, True
-                taken.append(p)
-                size, longest = new_size, new_longest
+    def _plan(self, now: float) -> tuple[list[Pending[T]], bool]:
+        ranked = sorted(self._items.values(), key=lambda p: (p.level(now, self._aging_s), p.seq))
+        taken = [ranked[0]]
+        size, longest, real = ranked[0].size, ranked[0].longest, ranked[0].size * ranked[0].longest
         full = size >= self.policy.max_batch_size or size * longest >= self.policy.max_batch_tokens
+        closed_below: int | None = None  # after a skip, no request of a worse level may join
+        for p in ranked[1:]:
+            lvl = p.level(now, self._aging_s)
+            if closed_below is not None and lvl > closed_below:
+                break
+            new_size, new_longest, new_real = size + p.size, max(longest, p.longest), real + p.size * p.longest
+            padded = new_size * new_longest
+            if new_size > self.policy.max_batch_size or padded > self.policy.max_batch_tokens:
+                full = True
+                closed_below = lvl if closed_below is None else closed_below
+                continue
+            if padded > self.policy.max_padding_ratio * new_real:
+                closed_below = lvl if closed_below is None else closed_below
+                continue
+            taken.append(p)
+            size, longest, real = new_size, new_longest, new_real
+            if size >= self.policy.max_batch_size:
+                full = True
+                break
         return taken, full
+
+    def _standing(self, now: float) -> float:
+        if not self._items:
+            return 0.0
+        return now - min(p.enqueued for p in self._items.values())
+
+    def _codel_victim(self) -> Pending[T] | None:
+        candidates = [p for p in self._items.values() if p.priority >= self.policy.codel_min_priority]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda p: (-p.priority, p.seq))
+
+    def _take(self, p: Pending[T]) -> None:
+        del self._items[p.seq]
+        self._account(p, -1)
+
+    def _account(self, p: Pending[T], sign: int) -> None:
+        self._inputs += sign * p.size
+        self._inputs_by_priority[p.priority] += sign * p.size

@@ -4,25 +4,36 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-_MS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+_S_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 QUEUE_WAIT = Histogram(
     "kinfer_queue_wait_seconds", "Kafka record timestamp to fetched by the worker", ["model", "priority"],
-    buckets=_MS_BUCKETS,
+    buckets=_S_BUCKETS,
 )
 BATCH_WAIT = Histogram(
-    "kinfer_batch_wait_seconds", "Fetched to its batch starting compute", ["model", "priority"],
-    buckets=_MS_BUCKETS,
+    "kinfer_batch_wait_seconds", "Fetched to its batch starting compute", ["model", "priority"], buckets=_S_BUCKETS
 )
-COMPUTE = Histogram("kinfer_compute_seconds", "Forward pass of one batch", ["model"], buckets=_MS_BUCKETS)
+COMPUTE = Histogram("kinfer_compute_seconds", "Forward pass of one batch", ["model"], buckets=_S_BUCKETS)
+PREDICTED = Histogram(
+    "kinfer_predicted_compute_seconds", "The service-time model's forecast for each batch", ["model"],
+    buckets=_S_BUCKETS,
+)
 BATCH_SIZE = Histogram(
     "kinfer_batch_size", "Inputs per batch", ["model"], buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 )
 PADDING = Histogram(
-    "kinfer_padding_ratio", "Padded tokens / estimated real tokens of a batch", ["model"],
+    "kinfer_padding_ratio", "Padded tokens / real tokens of a batch (estimated)", ["model"],
     buckets=(1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0),
 )
 RESULTS = Counter("kinfer_results_total", "Terminal replies published", ["model", "priority", "status"])
+SHED = Counter(
+    "kinfer_shed_total", "Requests refused before compute, by reason (expired, deadline, codel)",
+    ["model", "priority", "reason"],
+)
 DEAD_LETTERS = Counter("kinfer_dead_letters_total", "Records sent to the dead-letter topic", ["model", "field"])
 BUFFERED = Gauge("kinfer_buffered_inputs", "Inputs fetched and waiting for a batch", ["model"])
-PAUSED = Gauge("kinfer_partitions_paused", "1 while fetching is paused for flow control", ["model"])
+PAUSED = Gauge(
+    "kinfer_partitions_paused", "Partitions paused for flow control (buffer full, or more urgent backlog)",
+    ["model", "priority"],
+)
+CODEL_DROPPING = Gauge("kinfer_codel_dropping", "1 while CoDel sees a standing queue and sheds", ["model"])

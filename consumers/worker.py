@@ -1,13 +1,17 @@
-"""The worker: consume a model's request topics, batch, run the model off the loop, reply, commit.
+"""The worker: host one or more models, batch their requests, run them off the loop, reply, commit.
 
-Three tasks share one event loop and the state below; none of them awaits in the middle of
-changing it, so no locks are needed:
+Each hosted model is a *lane*: its runner, its Kafka consumer (in the model's consumer group), its
+``DynamicBatcher`` and its ``OffsetTracker``. The lanes share one executor thread, a producer (for
+the DLQ and Kafka replies) and a Redis connection. Tasks on one event loop, none of which awaits
+in the middle of changing shared state, so no locks are needed:
 
-    fetch loop     getmany() → validate → batcher.add()      (pauses partitions when buffered work
-                   bad records → DLQ (+ an ``invalid`` reply)  reaches ``max_buffered_inputs``)
-    dispatch loop  expire → batcher.next_batch() when the executor is free → executor thread →
-                   results → publish task
-    commit loop    commits the highest offsets whose replies are out (``OffsetTracker``)
+    fetch loop (per lane)   getmany() → validate → batcher.add()   bad records → DLQ (+ ``invalid``)
+                            pauses partitions: when the buffer is full, and lower priorities
+                            while a batch's worth of more urgent work is waiting
+    dispatch loop           shed (expired / cannot make it / CoDel) → replies
+                            when the executor is free: DeficitRoundRobin picks a lane → its
+                            batcher's next batch → executor thread → results → publish task
+    commit loop             commits the highest offsets whose replies are out
 
 At-least-once: an offset is committed only after the reply for it (and for everything before it
 in its partition) has been published. A worker that dies loses nothing; its partitions go to
@@ -22,8 +26,10 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
@@ -31,7 +37,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from prometheus_client import start_http_server
 
-from batcher import Batch, BatchPolicy, DynamicBatcher
+from batcher import Batch, BatchPolicy, DeficitRoundRobin, DynamicBatcher, Reason
 from consumers import metrics
 from consumers.offsets import OffsetTracker
 from consumers.replies import ReplySink
@@ -40,6 +46,7 @@ from topics import (
     DEFAULT_LIMITS,
     InvalidRequest,
     Limits,
+    Priority,
     Request,
     Result,
     Status,
@@ -49,7 +56,7 @@ from topics import (
     now_ms,
 )
 from topics.envelope import salvage_route
-from topics.names import consumer_group, request_topics
+from topics.names import consumer_group, parse_request_topic, request_topics
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +64,25 @@ log = logging.getLogger(__name__)
 # caller has already given up with DeadlineExceeded, which is its terminal state.
 PUBLISH_GRACE_MS = 5_000
 
+_SHED_STATUS = {Reason.EXPIRED: Status.EXPIRED, Reason.DEADLINE: Status.EXPIRED, Reason.CODEL: Status.SHED}
+_SHED_TEXT = {
+    Reason.EXPIRED: "deadline passed while queued",
+    Reason.DEADLINE: "cannot finish by its deadline (predicted queue + compute)",
+    Reason.CODEL: "shed under overload (standing queue), lowest priority first",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    model: ModelSpec
+    models: tuple[ModelSpec, ...]  # one lane each; co-located models share the executor fairly
     bootstrap: str  # Kafka bootstrap servers, "host:port[,host:port]"
     redis_url: str  # redis://host:port/db
     policy: BatchPolicy = field(default_factory=BatchPolicy)
+    weights: dict[str, float] = field(default_factory=dict)  # fair-share weight by model (default 1)
+    fair_quantum_ms: float = 50.0  # compute time a lane may use per round before others get a turn
     limits: Limits = DEFAULT_LIMITS
     device: str = "auto"  # "auto" picks CUDA when available
-    max_buffered_inputs: int = 1024  # fetched inputs held in memory before partitions are paused
+    max_buffered_inputs: int = 512  # fetched inputs held in memory per model before its partitions pause
     fetch_max_records: int = 500  # records per getmany()
     session_timeout_ms: int = 10_000  # group liveness; a killed worker's partitions move after this
     heartbeat_interval_ms: int = 1_000
@@ -77,11 +93,19 @@ class WorkerSettings:
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("a worker needs at least one model")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
         if self.max_buffered_inputs < self.policy.max_batch_size:
             raise ValueError(
                 f"max_buffered_inputs ({self.max_buffered_inputs}) must be >= "
                 f"policy.max_batch_size ({self.policy.max_batch_size})"
             )
+        unknown = set(self.weights) - set(names)
+        if unknown:
+            raise ValueError(f"weights for models this worker does not host: {sorted(unknown)}")
 
 
 @dataclass(slots=True)
@@ -95,27 +119,50 @@ class Job:
     fetched: float  # monotonic seconds
 
 
+@dataclass(eq=False)
+class Lane:
+    """One hosted model."""
+
+    spec: ModelSpec
+    runner: Runner
+    batcher: DynamicBatcher[Job]
+    tracker: OffsetTracker[TopicPartition] = field(default_factory=OffsetTracker)
+    consumer: AIOKafkaConsumer | None = None
+    capped: bool = False  # buffer full: every partition paused until it drains to half
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
 class Worker:
-    def __init__(self, settings: WorkerSettings, runner: Runner | None = None) -> None:
+    def __init__(self, settings: WorkerSettings, runners: dict[str, Runner] | None = None) -> None:
         self.settings = settings
-        self.model = settings.model.name
-        self.runner = runner or build_runner(settings.model, settings.device)
-        self._batcher: DynamicBatcher[Job] = DynamicBatcher(settings.policy)
-        self._tracker: OffsetTracker[TopicPartition] = OffsetTracker()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kinfer-{self.model}")
+        self.lanes = {
+            spec.name: Lane(
+                spec,
+                (runners or {}).get(spec.name) or build_runner(spec, settings.device),
+                DynamicBatcher(settings.policy),
+            )
+            for spec in settings.models
+        }
+        self._fair: DeficitRoundRobin[str] = DeficitRoundRobin(settings.fair_quantum_ms / 1000.0)
+        for name in self.lanes:
+            self._fair.add(name, settings.weights.get(name, 1.0))
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kinfer-model")
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()  # something changed for the dispatch loop
         self._commit_wake = asyncio.Event()  # some reply went out
         self._drained = asyncio.Event()  # dispatch and publishing are over; final commit
-        self.ready = asyncio.Event()  # model loaded and partitions assigned
+        self.ready = asyncio.Event()  # models loaded and partitions assigned
         self._computing: asyncio.Task[None] | None = None
+        self._free_at = 0.0  # when the running batch is predicted to end
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
-        self._consumer: AIOKafkaConsumer | None = None
         self._sink: ReplySink | None = None
 
     def stop(self) -> None:
-        """Graceful stop: stop fetching, finish buffered work, reply, commit, leave the group."""
+        """Graceful stop: stop fetching, finish buffered work, reply, commit, leave the groups."""
         self._stopping.set()
         self._wake.set()
 
@@ -124,42 +171,46 @@ class Worker:
     async def run(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        log.info("loading model %s (%s) on %s", self.model, s.model.family, self.runner.device)
-        await loop.run_in_executor(self._executor, self.runner.load)
-        await loop.run_in_executor(self._executor, self.runner.warmup)
+        for lane in self.lanes.values():
+            log.info("loading model %s (%s) on %s", lane.name, lane.spec.family, lane.runner.device)
+            await loop.run_in_executor(self._executor, lane.runner.load)
+            await loop.run_in_executor(self._executor, lane.runner.warmup)
         if s.metrics_port is not None:
             start_http_server(s.metrics_port, addr="127.0.0.1")
 
-        producer = AIOKafkaProducer(
-            bootstrap_servers=s.bootstrap, acks="all", enable_idempotence=True, linger_ms=1
-        )
+        producer = AIOKafkaProducer(bootstrap_servers=s.bootstrap, acks="all", enable_idempotence=True, linger_ms=1)
         redis = aioredis.Redis.from_url(s.redis_url)
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=s.bootstrap,
-            group_id=consumer_group(self.model),
-            group_instance_id=s.instance_id,
-            client_id=f"kinfer-worker-{s.worker_id}",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            session_timeout_ms=s.session_timeout_ms,
-            heartbeat_interval_ms=s.heartbeat_interval_ms,
-            max_poll_interval_ms=s.max_poll_interval_ms,
-            fetch_max_wait_ms=50,
-        )
-        self._consumer = consumer
+        for lane in self.lanes.values():
+            lane.consumer = AIOKafkaConsumer(
+                bootstrap_servers=s.bootstrap,
+                group_id=consumer_group(lane.name),
+                group_instance_id=s.instance_id,
+                client_id=f"kinfer-worker-{s.worker_id}",
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                session_timeout_ms=s.session_timeout_ms,
+                heartbeat_interval_ms=s.heartbeat_interval_ms,
+                max_poll_interval_ms=s.max_poll_interval_ms,
+                fetch_max_wait_ms=50,
+            )
         try:
             await producer.start()
-            await consumer.start()
-            consumer.subscribe(request_topics(self.model), listener=_Rebalance(self))
+            for lane in self.lanes.values():
+                assert lane.consumer is not None
+                await lane.consumer.start()
+                lane.consumer.subscribe(request_topics(lane.name), listener=_Rebalance(self, lane))
             self._sink = ReplySink(producer, redis)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                tg.create_task(self._fetch_loop(consumer))
+                for lane in self.lanes.values():
+                    tg.create_task(self._fetch_loop(lane))
                 tg.create_task(self._dispatch_loop())
-                tg.create_task(self._commit_loop(consumer))
+                tg.create_task(self._commit_loop())
         finally:
-            with contextlib.suppress(KafkaError):
-                await consumer.stop()  # leaves the group, so partitions move at once
+            for lane in self.lanes.values():
+                if lane.consumer is not None:
+                    with contextlib.suppress(KafkaError):
+                        await lane.consumer.stop()  # leaves the group, so partitions move at once
             await producer.stop()
             await redis.aclose()
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -167,71 +218,95 @@ class Worker:
 
     # -- fetch -------------------------------------------------------------------------------
 
-    async def _fetch_loop(self, consumer: AIOKafkaConsumer) -> None:
+    async def _fetch_loop(self, lane: Lane) -> None:
+        consumer = lane.consumer
+        assert consumer is not None
         while not self._stopping.is_set():
-            self._flow_control(consumer)
+            self._flow_control(lane, consumer)
             try:
                 data = await consumer.getmany(timeout_ms=100, max_records=self.settings.fetch_max_records)
             except KafkaError as exc:
-                log.warning("fetch failed, retrying: %s", exc)
+                log.warning("%s: fetch failed, retrying: %s", lane.name, exc)
                 await asyncio.sleep(0.5)
                 continue
-            if consumer.assignment() and not self.ready.is_set():
+            if not self.ready.is_set() and all(
+                lane.consumer is not None and lane.consumer.assignment() for lane in self.lanes.values()
+            ):
                 self.ready.set()
-                log.info("worker %s ready: %s", self.settings.worker_id, sorted(map(str, consumer.assignment())))
+                log.info("worker %s ready", self.settings.worker_id)
             if not data:
                 continue
             now, wall = time.monotonic(), now_ms()
             for tp, records in data.items():
                 for record in records:
-                    self._tracker.track(tp, record.offset)
-                    await self._admit(tp, record, now, wall)
-            metrics.BUFFERED.labels(self.model).set(self._batcher.pending_inputs)
+                    lane.tracker.track(tp, record.offset)
+                    await self._admit(lane, tp, record, now, wall)
+            metrics.BUFFERED.labels(lane.name).set(lane.batcher.pending_inputs)
             self._wake.set()
 
-    def _flow_control(self, consumer: AIOKafkaConsumer) -> None:
-        """Kafka is the queue: stop fetching while the in-process buffer is full."""
-        buffered, limit = self._batcher.pending_inputs, self.settings.max_buffered_inputs
-        if buffered >= limit and not consumer.paused():
-            consumer.pause(*consumer.assignment())
-            metrics.PAUSED.labels(self.model).set(1)
-        elif buffered <= limit // 2 and consumer.paused():
-            consumer.resume(*consumer.paused())
-            metrics.PAUSED.labels(self.model).set(0)
+    def _flow_control(self, lane: Lane, consumer: AIOKafkaConsumer) -> None:
+        """Kafka is the queue: fetch only what the next batches need, most urgent first."""
+        b, cap = lane.batcher, self.settings.max_buffered_inputs
+        if b.pending_inputs >= cap:
+            lane.capped = True
+        elif b.pending_inputs <= cap // 2:
+            lane.capped = False
+        # A priority is held back while a full batch of more urgent work is already waiting.
+        blocked: set[Priority] = set()
+        ahead = 0
+        for prio in Priority:
+            if ahead >= self.settings.policy.max_batch_size:
+                blocked.add(prio)
+            ahead += b.pending_inputs_at(prio)
+        assigned = consumer.assignment()
+        want = {tp for tp in assigned if lane.capped or parse_request_topic(tp.topic)[1] in blocked}
+        paused = consumer.paused()
+        if want - paused:
+            consumer.pause(*(want - paused))
+        if paused - want:
+            consumer.resume(*(paused - want))
+        if want != paused:
+            for prio in Priority:
+                count = sum(1 for tp in want if parse_request_topic(tp.topic)[1] is prio)
+                metrics.PAUSED.labels(lane.name, prio.label).set(count)
 
-    async def _admit(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], now: float, wall: int) -> None:
+    async def _admit(
+        self, lane: Lane, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], now: float, wall: int
+    ) -> None:
         value = record.value or b""
         try:
             request = decode_request(value, self.settings.limits)
-            if request.model != self.model:
-                raise InvalidRequest(f"model {request.model!r} sent to a topic of {self.model!r}", "model")
+            if request.model != lane.name:
+                raise InvalidRequest(f"model {request.model!r} sent to a topic of {lane.name!r}", "model")
         except InvalidRequest as exc:
-            await self._reject(tp, record.offset, value, exc)
+            await self._reject(lane, tp, record.offset, value, exc)
             return
-        job = Job(request, tp, record.offset, max(0.0, wall - record.timestamp), now)
-        metrics.QUEUE_WAIT.labels(self.model, request.priority.label).observe(job.queue_ms / 1000.0)
-        self._batcher.add(
+        queue_ms = max(0.0, wall - record.timestamp)
+        job = Job(request, tp, record.offset, queue_ms, now)
+        metrics.QUEUE_WAIT.labels(lane.name, request.priority.label).observe(queue_ms / 1000.0)
+        lane.batcher.add(
             job,
             priority=int(request.priority),
             size=len(request.inputs),
-            longest=max(self.runner.count_tokens(t) for t in request.inputs),
+            longest=max(lane.runner.count_tokens(t) for t in request.inputs),
             deadline=now + (request.deadline_ms - wall) / 1000.0,
             now=now,
+            enqueued=now - queue_ms / 1000.0,
         )
 
-    async def _reject(self, tp: TopicPartition, offset: int, value: bytes, exc: InvalidRequest) -> None:
+    async def _reject(self, lane: Lane, tp: TopicPartition, offset: int, value: bytes, exc: InvalidRequest) -> None:
         assert self._sink is not None
         source = f"{tp.topic}/{tp.partition}@{offset}"
         log.warning("dead-lettering %s: %s", source, exc)
         await self._sink.dead_letter(value, str(exc), exc.field, source)
-        metrics.DEAD_LETTERS.labels(self.model, exc.field or "").inc()
+        metrics.DEAD_LETTERS.labels(lane.name, exc.field or "").inc()
         salvaged = salvage_route(value, self.settings.limits)
         if salvaged is not None:
             rid, route = salvaged
-            result = Result(rid, self.model, Status.INVALID, error=str(exc), worker=self.settings.worker_id)
+            result = Result(rid, lane.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id)
             with contextlib.suppress(Unavailable):  # the DLQ has it; the reply is a courtesy
                 await self._sink.publish([(route, result)])
-        self._tracker.done(tp, offset)
+        lane.tracker.done(tp, offset)
         self._commit_wake.set()
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -241,29 +316,29 @@ class Worker:
         while True:
             self._wake.clear()
             now = time.monotonic()
-            expired = self._batcher.expire(now)
-            if expired:
-                self._reply(
-                    [(p.payload, self._result(p.payload, Status.EXPIRED, error="deadline passed in queue"))
-                     for p in expired]
-                )
-            if self._computing is None:
-                # One executor: a batch forms at the moment it can start, so everything that
-                # arrived during the previous forward pass rides along (up to the size and
-                # token caps). Nothing sits in a sealed batch that later arrivals cannot join.
-                batch = self._batcher.next_batch(now, idle=True)
-                if batch is not None:
-                    self._computing = self._spawn(self._compute(batch))
-            metrics.BUFFERED.labels(self.model).set(self._batcher.pending_inputs)
+            idle = self._computing is None
+            for lane in self.lanes.values():
+                self._shed(lane, now, free_at=now if idle else max(now, self._free_at))
+            if idle:
+                self._start_next(now)
+            for lane in self.lanes.values():
+                metrics.BUFFERED.labels(lane.name).set(lane.batcher.pending_inputs)
+                metrics.CODEL_DROPPING.labels(lane.name).set(int(lane.batcher.shedding))
 
+            queued = sum(len(lane.batcher) for lane in self.lanes.values())
             if self._stopping.is_set():
                 drain_until = drain_until or now + self.settings.drain_timeout_s
-                idle = self._computing is None and not self._batcher
-                if idle or now >= drain_until:
-                    if not idle:
-                        log.warning("drain timeout: %d requests left for redelivery", len(self._batcher))
+                if (self._computing is None and not queued) or now >= drain_until:
+                    if queued:
+                        log.warning("drain timeout: %d requests left for redelivery", queued)
                     break
-            timeout = None if drain_until is None else max(0.0, drain_until - now)
+            wakes = [
+                w for lane in self.lanes.values()
+                if (w := lane.batcher.wake_at(now, idle=self._computing is None)) is not None
+            ]
+            if drain_until is not None:
+                wakes.append(drain_until)
+            timeout = max(0.0, min(wakes) - now) if wakes else None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
         if self._computing is not None:
@@ -273,56 +348,85 @@ class Worker:
         self._drained.set()
         self._commit_wake.set()
 
-    async def _compute(self, batch: Batch[Job]) -> None:
+    def _start_next(self, now: float) -> None:
+        """One executor: pick a lane fairly and start its next batch, if any is ready."""
+        ready = {name for name, lane in self.lanes.items() if lane.batcher}
+        while ready:
+            name = self._fair.pick(ready)
+            assert name is not None
+            lane = self.lanes[name]
+            batch = lane.batcher.next_batch(now, idle=True)
+            if batch is not None:
+                self._free_at = now + batch.predicted_s
+                self._computing = self._spawn(self._compute(lane, batch))
+                return
+            ready.discard(name)  # a naive window still holding its batch back
+
+    def _shed(self, lane: Lane, now: float, free_at: float) -> None:
+        dropped = lane.batcher.shed(now, free_at=free_at)
+        if not dropped:
+            return
+        replies = []
+        for d in dropped:
+            job = d.pending.payload
+            metrics.SHED.labels(lane.name, job.request.priority.label, d.reason.value).inc()
+            error = _SHED_TEXT[d.reason]
+            replies.append((job, self._result(lane, job, _SHED_STATUS[d.reason], error=error)))
+        self._reply(lane, replies)
+
+    async def _compute(self, lane: Lane, batch: Batch[Job]) -> None:
         jobs = batch.payloads
         texts = [t for job in jobs for t in job.request.inputs]
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
-            outputs = await loop.run_in_executor(self._executor, self.runner.run, texts)
+            outputs = await loop.run_in_executor(self._executor, lane.runner.run, texts)
             error = None
         except Exception as exc:  # the model failed: every request in the batch gets an error reply
-            log.exception("batch of %d failed", len(texts))
+            log.exception("%s: batch of %d failed", lane.name, len(texts))
             outputs, error = [], f"{type(exc).__name__}: {exc}"
-        compute_ms = (time.monotonic() - started) * 1000.0
-        self._observe(batch, started, compute_ms)
+        took = time.monotonic() - started
+        lane.batcher.observe(batch, took)
+        self._fair.charge(lane.name, took)
+        self._observe(lane, batch, started, took)
         replies, i = [], 0
         for job in jobs:
             n = len(job.request.inputs)
-            timings = Timings(job.queue_ms, (started - job.fetched) * 1000.0, compute_ms, len(texts))
+            timings = Timings(job.queue_ms, (started - job.fetched) * 1000.0, took * 1000.0, len(texts))
             if error is None:
-                result = self._result(job, Status.OK, outputs=outputs[i : i + n], timings=timings)
+                result = self._result(lane, job, Status.OK, outputs=outputs[i : i + n], timings=timings)
             else:
-                result = self._result(job, Status.ERROR, error=error, timings=timings)
+                result = self._result(lane, job, Status.ERROR, error=error, timings=timings)
             replies.append((job, result))
             i += n
         self._computing = None
         self._wake.set()
-        self._reply(replies)
+        self._reply(lane, replies)
 
-    def _observe(self, batch: Batch[Job], started: float, compute_ms: float) -> None:
-        metrics.COMPUTE.labels(self.model).observe(compute_ms / 1000.0)
-        metrics.BATCH_SIZE.labels(self.model).observe(batch.size)
-        metrics.PADDING.labels(self.model).observe(batch.padded_tokens / max(1, batch.real_tokens_upper))
+    def _observe(self, lane: Lane, batch: Batch[Job], started: float, took: float) -> None:
+        metrics.COMPUTE.labels(lane.name).observe(took)
+        metrics.PREDICTED.labels(lane.name).observe(batch.predicted_s)
+        metrics.BATCH_SIZE.labels(lane.name).observe(batch.size)
+        metrics.PADDING.labels(lane.name).observe(batch.padding_ratio)
         for p in batch.items:
-            metrics.BATCH_WAIT.labels(self.model, p.payload.request.priority.label).observe(started - p.arrival)
+            metrics.BATCH_WAIT.labels(lane.name, p.payload.request.priority.label).observe(started - p.arrival)
 
     def _result(
-        self, job: Job, status: Status, *, outputs: list[object] | None = None, error: str | None = None,
+        self, lane: Lane, job: Job, status: Status, *, outputs: list[Any] | None = None, error: str | None = None,
         timings: Timings | None = None,
     ) -> Result:
         return Result(
-            id=job.request.id, model=self.model, status=status, outputs=list(outputs or []), error=error,
+            id=job.request.id, model=lane.name, status=status, outputs=list(outputs or []), error=error,
             timings=timings or Timings(queue_ms=job.queue_ms), worker=self.settings.worker_id,
         )
 
     # -- replies and commits -----------------------------------------------------------------
 
-    def _reply(self, replies: list[tuple[Job, Result]]) -> None:
-        self._publishing.add(task := self._spawn(self._publish(replies)))
+    def _reply(self, lane: Lane, replies: list[tuple[Job, Result]]) -> None:
+        self._publishing.add(task := self._spawn(self._publish(lane, replies)))
         task.add_done_callback(self._publishing.discard)
 
-    async def _publish(self, replies: list[tuple[Job, Result]]) -> None:
+    async def _publish(self, lane: Lane, replies: list[tuple[Job, Result]]) -> None:
         assert self._sink is not None
         give_up_ms = max(job.request.deadline_ms for job, _ in replies) + PUBLISH_GRACE_MS
         delay = 0.05
@@ -338,53 +442,58 @@ class Worker:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         for job, result in replies:
-            self._tracker.done(job.tp, job.offset)
-            metrics.RESULTS.labels(self.model, job.request.priority.label, result.status.value).inc()
+            lane.tracker.done(job.tp, job.offset)
+            metrics.RESULTS.labels(lane.name, job.request.priority.label, result.status.value).inc()
         self._commit_wake.set()
 
-    async def _commit_loop(self, consumer: AIOKafkaConsumer) -> None:
+    async def _commit_loop(self) -> None:
         while True:
             await self._commit_wake.wait()
             self._commit_wake.clear()
-            await self._commit(consumer)
+            for lane in self.lanes.values():
+                await self._commit(lane)
             if self._drained.is_set():
                 return
 
-    async def _commit(self, consumer: AIOKafkaConsumer) -> None:
-        positions = self._tracker.committable(consumer.assignment())
+    async def _commit(self, lane: Lane) -> None:
+        consumer = lane.consumer
+        if consumer is None:
+            return
+        positions = lane.tracker.committable(consumer.assignment())
         if not positions:
             return
         try:
             await consumer.commit({tp: OffsetAndMetadata(pos, "") for tp, pos in positions.items()})
-            self._tracker.mark_committed(positions)
+            lane.tracker.mark_committed(positions)
         except (CommitFailedError, KafkaError) as exc:
             # A rebalance took the partitions away; their new owner re-answers from the last commit.
-            log.warning("commit of %s failed: %s", positions, exc)
+            log.warning("%s: commit of %s failed: %s", lane.name, positions, exc)
 
-    def _spawn(self, coro: object) -> asyncio.Task[None]:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         assert self._tg is not None
-        return self._tg.create_task(coro)  # type: ignore[arg-type]
+        return self._tg.create_task(coro)
 
     # -- rebalance ---------------------------------------------------------------------------
 
-    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
-        if self._consumer is not None:
-            await self._commit(self._consumer)
-        gone = self._batcher.remove(lambda p: p.payload.tp in revoked)
-        self._tracker.forget(revoked)
+    async def on_revoked(self, lane: Lane, revoked: set[TopicPartition]) -> None:
+        await self._commit(lane)
+        gone = lane.batcher.remove(lambda p: p.payload.tp in revoked)
+        lane.tracker.forget(revoked)
         if gone:
-            log.info("revoked %s: %d queued requests left for the new owner", sorted(map(str, revoked)), len(gone))
+            log.info("%s: revoked %d partitions; %d queued requests left for the new owner",
+                     lane.name, len(revoked), len(gone))
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, lane: Lane) -> None:
         self._worker = worker
+        self._lane = lane
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self._worker._on_revoked(revoked)
+        await self._worker.on_revoked(self._lane, revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        log.info("assigned %s", sorted(map(str, assigned)))
+        log.info("%s: assigned %d partitions", self._lane.name, len(assigned))
 
 
-__all__ = ["Job", "Worker", "WorkerSettings"]
+__all__ = ["Job", "Lane", "Worker", "WorkerSettings"]

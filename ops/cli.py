@@ -64,21 +64,35 @@ def cmd_topics(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
+def policy_from_args(args: argparse.Namespace) -> Any:
     from batcher import BatchPolicy
+
+    return BatchPolicy(
+        max_batch_size=args.max_batch_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_wait_ms=args.max_wait_ms,
+        mode=args.mode,
+        aging_ms=args.aging_ms,
+        max_padding_ratio=args.max_padding_ratio,
+        codel_target_ms=args.codel_target_ms,
+        codel_interval_ms=args.codel_interval_ms,
+    )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
     from consumers.runners import resolve_model
     from consumers.worker import Worker, WorkerSettings
     from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
 
     bootstrap, redis_url = resolve_endpoints()
-    spec = resolve_model(args.model, args.family, args.path, _options(args.option))
+    specs = tuple(resolve_model(name, args.family, args.path, _options(args.option)) for name in args.model)
+    weights = {name: float(w) for name, w in (_options(args.weight) or {}).items()}
     settings = WorkerSettings(
-        model=spec,
+        models=specs,
         bootstrap=bootstrap,
         redis_url=redis_url,
-        policy=BatchPolicy(
-            max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms
-        ),
+        policy=policy_from_args(args),
+        weights=weights,
         device=args.device,
         session_timeout_ms=args.session_timeout_ms,
         instance_id=args.instance_id,
@@ -88,7 +102,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         if args.create_topics:
-            await ensure_topics(bootstrap, [dlq_topic_spec(), *model_topic_specs(spec.name, args.partitions)])
+            topics = [dlq_topic_spec()]
+            for spec in specs:
+                topics += model_topic_specs(spec.name, args.partitions)
+            await ensure_topics(bootstrap, topics)
         worker = Worker(settings)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -127,6 +144,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    from batcher import BatchPolicy
+
+    d = BatchPolicy()
+    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="inputs per forward pass")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="padded tokens per pass")
+    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="batching ceiling (<= 100)")
+    p.add_argument("--mode", choices=["dynamic", "window"], default=d.mode,
+                   help="dynamic: work-conserving; window: naive fixed window (baseline)")
+    p.add_argument("--aging-ms", type=float, default=d.aging_ms, help="wait that raises a request one priority")
+    p.add_argument("--max-padding-ratio", type=float, default=d.max_padding_ratio,
+                   help="padded/real tokens a batch may reach (length bucketing)")
+    p.add_argument("--codel-target-ms", type=float, default=d.codel_target_ms)
+    p.add_argument("--codel-interval-ms", type=float, default=d.codel_interval_ms)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kinfer", description="Kafka-driven asynchronous inference")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -144,20 +177,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--partitions", type=int, default=3)
     t.set_defaults(func=cmd_topics)
 
-    w = sub.add_parser("worker", help="serve one model from its request topics")
-    w.add_argument("--model", required=True, help="served name; built-in: minilm, noop")
-    w.add_argument("--family", help="runner family for a model that is not built in (embedding, noop)")
+    w = sub.add_parser("worker", help="serve one or more models from their request topics")
+    w.add_argument("--model", action="append", required=True,
+                   help="served name (repeat to co-locate models); built-in: minilm, noop")
+    w.add_argument("--family", help="runner family for models that are not built in (embedding, noop)")
     w.add_argument("--path", help="Hugging Face model directory")
     w.add_argument("--option", action="append", default=[], help="runner option key=value (repeatable)")
+    w.add_argument("--weight", action="append", default=[], help="fair-share weight MODEL=W (default 1)")
     w.add_argument("--device", default="auto")
-    w.add_argument("--max-batch-size", type=int, default=32)
-    w.add_argument("--max-batch-tokens", type=int, default=16_384)
-    w.add_argument("--max-wait-ms", type=float, default=20.0)
+    add_policy_args(w)
     w.add_argument("--session-timeout-ms", type=int, default=10_000)
     w.add_argument("--instance-id", help="static group membership id (a restart rejoins without a rebalance)")
     w.add_argument("--worker-id", help="name in replies and logs (default: host-pid)")
     w.add_argument("--metrics-port", type=int)
-    w.add_argument("--create-topics", action="store_true", help="create the model's topics first")
+    w.add_argument("--create-topics", action="store_true", help="create the models' topics first")
     w.add_argument("--partitions", type=int, default=3, help="with --create-topics")
     w.set_defaults(func=cmd_worker)
 

@@ -32,6 +32,9 @@ from topics.names import DLQ_TOPIC, consumer_group, request_topic, request_topic
 
 pytestmark = pytest.mark.integration
 
+# For tests about something other than overload: a deliberate backlog must not be shed.
+NO_CODEL = ("--codel-target-ms", "inf")
+
 
 async def dead_letters_from(bootstrap: str, model: str, want: int, timeout_s: float = 60.0) -> list[dict[str, str]]:
     """Headers of the DLQ records whose source is one of ``model``'s topics."""
@@ -98,7 +101,7 @@ async def test_worker_killed_after_fetching_loses_nothing(
     client: Client, topics: str, spawn_worker: Callable[..., WorkerProcess]
 ) -> None:
     instance = f"inst-{uuid.uuid4().hex[:6]}"
-    common = ("--family", "noop", "--instance-id", instance, "--session-timeout-ms", "6000")
+    common = ("--family", "noop", "--instance-id", instance, "--session-timeout-ms", "6000", *NO_CODEL)
     # This worker fetches, starts its first batch and never finishes it.
     stuck = spawn_worker(topics, *common, "--option", "compute_ms=600000")
     calls = [
@@ -120,7 +123,9 @@ async def test_worker_killed_after_fetching_loses_nothing(
 async def test_sigterm_finishes_the_batch_replies_and_commits(
     client: Client, stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
 ) -> None:
-    worker = spawn_worker(topics, "--family", "noop", "--option", "compute_ms=200", "--max-batch-size", "4")
+    worker = spawn_worker(
+        topics, "--family", "noop", "--option", "compute_ms=200", "--max-batch-size", "4", *NO_CODEL
+    )
     await wait_until_served(client, topics)
     calls = [asyncio.create_task(client.infer(topics, [f"r{i}"], deadline_ms=60_000)) for i in range(30)]
     await worker.wait_metric("kinfer_queue_wait_seconds_count", 31)  # the probe + 30 fetched

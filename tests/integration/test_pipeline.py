@@ -20,7 +20,8 @@ from topics import Priority, UnknownModel, pack
 
 pytestmark = pytest.mark.integration
 
-MINILM = ("--family", "embedding", "--path", str(minilm_path()))
+# A deliberate backlog (500 requests at once) is not overload to shed here.
+MINILM = ("--family", "embedding", "--path", str(minilm_path()), "--codel-target-ms", "inf")
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:

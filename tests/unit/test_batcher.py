@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher import Batch, BatchPolicy, DynamicBatcher
+from batcher import Batch, BatchPolicy, DynamicBatcher, Reason, ServicePrior, ServiceTimeModel
+
+FAST = ServicePrior(fixed_s=0.001, per_token_s=0.0, per_input_s=0.0)  # predictions never shed by accident
 
 
-def make_batcher(**policy: float) -> DynamicBatcher[str]:
-    return DynamicBatcher(BatchPolicy(**policy))  # type: ignore[arg-type]
+def make_batcher(prior: ServicePrior = FAST, **policy: object) -> DynamicBatcher[str]:
+    return DynamicBatcher(BatchPolicy(**policy), ServiceTimeModel(prior))  # type: ignore[arg-type]
 
 
 def add(b: DynamicBatcher[str], name: str, now: float, *, priority: int = 1, size: int = 1, longest: int = 10,
-        deadline: float = 1e9) -> None:
-    b.add(name, priority=priority, size=size, longest=longest, deadline=deadline, now=now)
+        deadline: float = 1e9, enqueued: float | None = None) -> None:
+    b.add(name, priority=priority, size=size, longest=longest, deadline=deadline, now=now, enqueued=enqueued)
 
 
 def names(batch: Batch[str] | None) -> list[str]:
@@ -37,33 +40,78 @@ def test_busy_executor_seals_when_full_or_at_the_ceiling() -> None:
     add(b, "a", now=0.0)
     add(b, "b", now=0.01)
     assert b.next_batch(0.02, idle=False) is None  # open: not full, oldest waited 20 ms
-    assert b.wake_at() == pytest.approx(0.05)
+    assert b.wake_at(0.02, idle=False) == pytest.approx(0.05)
     assert names(b.next_batch(0.05, idle=False)) == ["a", "b"]  # ceiling reached
     for n in "cde":
         add(b, n, now=0.06)
     assert names(b.next_batch(0.06, idle=False)) == ["c", "d", "e"]  # full: sealed at once
 
 
+def test_busy_executor_seals_early_when_slack_runs_out() -> None:
+    b = make_batcher(ServicePrior(fixed_s=0.03, per_token_s=0.0), max_batch_size=8, max_wait_ms=100)
+    add(b, "tight", now=0.0, deadline=0.1)
+    assert b.next_batch(0.0, idle=False) is None  # 100 ms of slack > 2 × 30 ms
+    assert names(b.next_batch(0.045, idle=False)) == ["tight"]  # 55 ms left ≤ 2 × 30 ms: go
+
+
+def test_window_mode_waits_even_when_idle() -> None:
+    b = make_batcher(mode="window", max_batch_size=4, max_wait_ms=100)
+    add(b, "a", now=0.0)
+    assert b.next_batch(0.05, idle=True) is None  # the naive window sits it out
+    assert b.wake_at(0.05, idle=True) == pytest.approx(0.1)
+    assert names(b.next_batch(0.1, idle=True)) == ["a"]
+
+
 def test_priorities_first_then_arrival() -> None:
     b = make_batcher(max_batch_size=3)
     add(b, "p2-old", 0.0, priority=2)
-    add(b, "p1", 0.1, priority=1)
-    add(b, "p0-a", 0.2, priority=0)
-    add(b, "p0-b", 0.3, priority=0)
-    assert names(b.next_batch(0.3, idle=True)) == ["p0-a", "p0-b", "p1"]
-    assert names(b.next_batch(0.3, idle=True)) == ["p2-old"]
+    add(b, "p1", 0.01, priority=1)
+    add(b, "p0-a", 0.02, priority=0)
+    add(b, "p0-b", 0.03, priority=0)
+    assert names(b.next_batch(0.03, idle=True)) == ["p0-a", "p0-b", "p1"]
+    assert names(b.next_batch(0.03, idle=True)) == ["p2-old"]
+
+
+def test_aging_lets_old_low_priority_work_through() -> None:
+    b = make_batcher(max_batch_size=1, aging_ms=100)
+    add(b, "p2-old", 0.0, priority=2)
+    add(b, "p0-new", 0.25, priority=0)
+    # p2-old waited 250 ms: two levels up, level 0, and older than p0-new.
+    assert names(b.next_batch(0.25, idle=True)) == ["p2-old"]
 
 
 def test_token_budget_counts_padding() -> None:
-    b = make_batcher(max_batch_size=32, max_batch_tokens=400)
+    b = make_batcher(max_batch_size=32, max_batch_tokens=400, max_padding_ratio=100)
     add(b, "short-1", 0.0, longest=10)
     add(b, "short-2", 0.0, longest=10)
     add(b, "long", 0.0, longest=150)  # 3 × 150 = 450 padded tokens > 400
     add(b, "short-3", 0.0, longest=10)
     first = b.next_batch(0.0, idle=True)
-    assert names(first) == ["short-1", "short-2"]  # stops at the first misfit: no overtaking
-    assert first is not None and first.padded_tokens == 20
-    assert names(b.next_batch(0.0, idle=True)) == ["long", "short-3"]
+    assert names(first) == ["short-1", "short-2", "short-3"]  # the long one waits for a batch of its own
+    assert first is not None and first.padded_tokens == 30
+    assert names(b.next_batch(0.0, idle=True)) == ["long"]
+
+
+def test_length_bucketing_keeps_padding_low() -> None:
+    b = make_batcher(max_batch_size=8, max_padding_ratio=1.5)
+    for i, n in enumerate([20, 120, 22, 110, 25, 100]):
+        add(b, f"len{n}", i * 0.001, longest=n)
+    first = b.next_batch(0.01, idle=True)
+    second = b.next_batch(0.01, idle=True)
+    assert names(first) == ["len20", "len22", "len25"]
+    assert names(second) == ["len120", "len110", "len100"]
+    assert first is not None and second is not None
+    assert first.padding_ratio <= 1.5 and second.padding_ratio <= 1.5
+
+
+def test_skipped_higher_priority_closes_the_batch_to_lower_ones() -> None:
+    b = make_batcher(max_batch_size=8, max_padding_ratio=1.2)
+    add(b, "p0-short", 0.0, priority=0, longest=10)
+    add(b, "p0-long", 0.0, priority=0, longest=200)
+    add(b, "p2-short", 0.0, priority=2, longest=10)
+    # p2-short would fit by length, but must not overtake p0-long.
+    assert names(b.next_batch(0.0, idle=True)) == ["p0-short"]
+    assert names(b.next_batch(0.0, idle=True)) == ["p0-long"]
 
 
 def test_oversized_request_runs_alone() -> None:
@@ -74,14 +122,52 @@ def test_oversized_request_runs_alone() -> None:
     assert names(b.next_batch(0.0, idle=True)) == ["next"]
 
 
-def test_expire_and_remove() -> None:
-    b = make_batcher()
-    add(b, "late", 0.0, deadline=1.0)
+def test_deadline_aware_shedding_refuses_what_cannot_finish() -> None:
+    b = make_batcher(ServicePrior(fixed_s=0.05, per_token_s=0.0))
+    add(b, "gone", 0.0, deadline=0.5)
+    add(b, "hopeless", 0.0, deadline=1.2)  # executor free at 1.2: 1.2 + 0.05 > 1.2
     add(b, "fine", 0.0, deadline=5.0)
-    add(b, "other-partition", 0.0, size=2)
-    assert [p.payload for p in b.expire(1.0)] == ["late"]
+    dropped = b.shed(0.6, free_at=1.2)
+    assert [(d.pending.payload, d.reason) for d in dropped] == [("gone", Reason.EXPIRED), ("hopeless", Reason.DEADLINE)]
+    assert [p.payload for p in b] == ["fine"]
+    # The batcher says when to look again: when "fine" could no longer make it.
+    assert b.wake_at(0.6, idle=True) == pytest.approx(4.95)
+
+
+def test_codel_sheds_lowest_priority_only_after_a_standing_queue_persists() -> None:
+    b = make_batcher(codel_target_ms=50, codel_interval_ms=100)
+    add(b, "p0", 0.0, priority=0)
+    add(b, "p1", 0.0, priority=1)
+    add(b, "p2-old", 0.0, priority=2)
+    add(b, "p2-new", 0.01, priority=2)
+    assert b.shed(0.06) == []  # above target, but not yet for a whole interval
+    assert b.shed(0.12) == []
+    dropped = b.shed(0.17)  # above target for 100 ms: shed, lowest priority, oldest first
+    assert [(d.pending.payload, d.reason) for d in dropped] == [("p2-old", Reason.CODEL)]
+    assert b.shedding
+    later = b.shed(0.3)
+    assert [d.pending.payload for d in later] == ["p2-new"]
+    assert [d.pending.payload for d in b.shed(0.5)] == ["p1"]
+    assert b.shed(0.9) == []  # p0 is never shed by CoDel
+    assert b.next_batch(0.9, idle=True) is not None
+    b.shed(1.0)
+    assert not b.shedding  # queue empty: standing queue gone
+
+
+def test_codel_uses_time_since_the_request_entered_kafka() -> None:
+    b = make_batcher(codel_target_ms=50, codel_interval_ms=100)
+    add(b, "old-in-kafka", 1.0, priority=2, enqueued=0.5)  # spent 500 ms in Kafka before the fetch
+    b.shed(1.0)
+    assert [d.reason for d in b.shed(1.1)] == [Reason.CODEL]
+
+
+def test_remove_and_per_priority_accounting() -> None:
+    b = make_batcher()
+    add(b, "keep", 0.0, priority=0, size=3)
+    add(b, "other-partition", 0.0, priority=2, size=2)
+    assert b.pending_inputs_at(2) == 2
     assert [p.payload for p in b.remove(lambda p: p.payload.startswith("other"))] == ["other-partition"]
-    assert b.pending_inputs == 1 and len(b) == 1
+    assert b.pending_inputs == 3 and b.pending_inputs_at(0) == 3 and b.pending_inputs_at(2) == 0
 
 
 def test_policy_validation_names_the_value() -> None:
@@ -89,6 +175,8 @@ def test_policy_validation_names_the_value() -> None:
         BatchPolicy(max_wait_ms=150)
     with pytest.raises(ValueError, match="max_batch_size"):
         BatchPolicy(max_batch_size=0)
+    with pytest.raises(ValueError, match="mode"):
+        BatchPolicy(mode="greedy")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,58 +208,94 @@ policies = st.builds(
     max_batch_size=st.integers(1, 16),
     max_batch_tokens=st.integers(1, 2000),
     max_wait_ms=st.floats(0, 100),
+    mode=st.sampled_from(["dynamic", "window"]),
+    aging_ms=st.sampled_from([50.0, 250.0, math.inf]),
+    max_padding_ratio=st.floats(1.0, 4.0),
+    codel_target_ms=st.floats(5, 100),
+    codel_interval_ms=st.floats(20, 500),
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(arrivals=arrivals, policy=policies, service_s=st.floats(0.001, 0.2))
-def test_invariants_under_random_schedules(arrivals: list[Arrival], policy: BatchPolicy, service_s: float) -> None:
+@given(arrivals=arrivals, policy=policies, per_token_s=st.floats(0.0, 0.0005), fixed_s=st.floats(0.001, 0.1))
+def test_invariants_under_random_schedules(
+    arrivals: list[Arrival], policy: BatchPolicy, per_token_s: float, fixed_s: float
+) -> None:
     """Simulate a one-executor worker; check every step against the batcher's promises."""
-    b: DynamicBatcher[int] = DynamicBatcher(policy)
+    b: DynamicBatcher[int] = DynamicBatcher(policy, ServiceTimeModel(ServicePrior(0.005, 0.0001)))
     pending = sorted(enumerate(arrivals), key=lambda ia: ia[1].at)
     outcome: dict[int, str] = {}
     busy_until = 0.0
     now = 0.0
-    events = sorted({a.at for a in arrivals} | {0.0})
-    while pending or len(b):
-        # Advance to the next interesting time: an arrival, the executor freeing, or the seal time.
-        candidates = [t for t in events if t > now] + ([busy_until] if busy_until > now else [])
-        wake = b.wake_at()
-        if wake is not None and wake > now:
+    aging_s = policy.aging_ms / 1000
+    for _ in range(10_000):
+        if not pending and not len(b):
+            break
+        # Advance to the next interesting time: an arrival, the executor freeing, or a batcher wake-up.
+        idle = now >= busy_until
+        candidates = [pending[0][1].at] if pending else []
+        if busy_until > now:
+            candidates.append(busy_until)
+        wake = b.wake_at(now, idle=idle)
+        if wake is not None:
             candidates.append(wake)
-        now = min(candidates) if candidates else now + 0.01
+        later = [t for t in candidates if t > now]
+        now = min(later) if later else now + 0.001
         while pending and pending[0][1].at <= now:
             i, a = pending.pop(0)
             b.add(i, priority=a.priority, size=a.size, longest=a.longest, deadline=a.at + a.ttl, now=a.at)
-        for p in b.expire(now):
-            assert p.payload not in outcome
-            outcome[p.payload] = "expired"
         idle = now >= busy_until
-        queued_before = list(b)
-        batch = b.next_batch(now, idle=idle)
-        if idle and queued_before:
-            # Work-conserving: an idle executor never waits while something is queued.
-            assert batch is not None
+        for d in b.shed(now, free_at=max(now, busy_until)):
+            assert d.pending.payload not in outcome  # one terminal state each
+            outcome[d.pending.payload] = d.reason.value
+            if d.reason is Reason.EXPIRED:
+                assert d.pending.deadline <= now
+            if d.reason is Reason.CODEL:
+                assert d.pending.priority >= policy.codel_min_priority
+        if not idle:
+            continue  # one executor: nothing starts while it is busy
+        queued = list(b)
+        batch = b.next_batch(now, idle=True)
+        if policy.mode == "dynamic" and queued:
+            assert batch is not None  # work-conserving: an idle executor never waits
         if batch is None:
+            # Only the naive window may hold work back, and never past its ceiling.
+            assert all(now - p.arrival < policy.max_wait_ms / 1000 + 1e-9 for p in queued)
             continue
-        items = batch.items
-        # Limits, unless a single request is bigger than the limits on its own.
-        if len(items) > 1:
+        if len(batch.items) > 1:  # limits hold, unless one request alone is bigger than them
             assert batch.size <= policy.max_batch_size
             assert batch.padded_tokens <= policy.max_batch_tokens
-        # Sealed while busy only when full or the oldest has waited the ceiling.
-        if not idle:
-            oldest = min(p.arrival for p in queued_before)
-            assert now - oldest >= policy.max_wait_ms / 1000 - 1e-9 or len(items) < len(queued_before) or (
-                batch.size >= policy.max_batch_size or batch.padded_tokens >= policy.max_batch_tokens
-            )
-        # Priority: nothing left behind outranks anything taken.
-        worst_taken = max(p.priority for p in items)
-        assert all(p.priority >= worst_taken for p in b)
-        for p in items:
-            assert p.payload not in outcome  # nothing is both dispatched and expired, or twice
+            assert batch.padded_tokens <= policy.max_padding_ratio * batch.real_tokens + 1e-9
+        # Priority (as aged): nothing left behind has a better level than anything taken.
+        worst_taken = max(p.level(now, aging_s) for p in batch.items)
+        assert all(p.level(now, aging_s) >= worst_taken for p in b)
+        for p in batch.items:
+            assert p.payload not in outcome  # never both dispatched and shed, never twice
             outcome[p.payload] = "dispatched"
-        busy_until = max(busy_until, now) + service_s
+        took = fixed_s + per_token_s * batch.padded_tokens
+        b.observe(batch, took)
+        busy_until = now + took
     # Every request ended in exactly one terminal state.
     assert set(outcome) == set(range(len(arrivals)))
     assert b.pending_inputs == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The service-time model
+
+
+def test_service_model_learns_a_linear_cost() -> None:
+    model = ServiceTimeModel()
+    for tokens, inputs in [(100, 1), (800, 8), (3200, 32), (1600, 16), (400, 4)] * 30:
+        model.observe(tokens, inputs, 0.004 + 0.00002 * tokens)
+    assert model.predict(2000, 20) == pytest.approx(0.004 + 0.00002 * 2000, rel=0.02)
+    assert model.predict(0, 0) > 0
+
+
+@given(st.lists(st.tuples(st.integers(1, 8192), st.integers(1, 64), st.floats(0.0001, 1.0)), min_size=1, max_size=50))
+def test_service_model_never_predicts_below_what_it_has_seen(obs: list[tuple[int, int, float]]) -> None:
+    model = ServiceTimeModel()
+    for tokens, inputs, seconds in obs:
+        model.observe(tokens, inputs, seconds)
+    floor = min(s for _, _, s in obs)
+    assert all(model.predict(t, i) >= floor for t, i, _ in obs)
