@@ -9,7 +9,8 @@ worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and the
 
 * Requests are ranked by *effective level*: their priority (0 first), improved by one level for
   every ``aging_ms`` they have waited, then by arrival. A p2 request cannot starve: after
-  ``2 × aging_ms`` it competes with fresh p0 requests.
+  ``2 × aging_ms`` it competes with fresh p0 requests. (Under a surge, p2 requests with short
+  deadlines are refused long before aging lifts them: aging is for long-deadline batch work.)
 * The best-ranked request anchors the batch. Others join in rank order while the batch stays
   within ``max_batch_size`` inputs, ``max_batch_tokens`` *padded* tokens (inputs × longest), and
   ``max_padding_ratio`` (padded / real tokens): a 100-token request does not ride with a
@@ -60,7 +61,10 @@ class BatchPolicy:
     max_batch_tokens: int = 8_192  # padded tokens (inputs × longest) in one forward pass
     max_wait_ms: float = 20.0  # ceiling on the oldest request's wait for its batch to seal
     mode: Literal["dynamic", "window"] = "dynamic"
-    aging_ms: float = 250.0  # waiting this long improves a request by one priority level
+    # Waiting this long improves a request by one priority level. Keep it above the interactive
+    # deadlines: then aging never makes an interactive request late, and still gives long-deadline
+    # batch work a turn under sustained higher-priority load.
+    aging_ms: float = 1_000.0
     max_padding_ratio: float = 1.6  # padded / real tokens a joining request may push a batch to
     codel_target_ms: float = 50.0  # acceptable standing-queue sojourn
     codel_interval_ms: float = 500.0  # how long it must persist before shedding starts

@@ -33,7 +33,7 @@ SHED = Counter(
 DEAD_LETTERS = Counter("kinfer_dead_letters_total", "Records sent to the dead-letter topic", ["model", "field"])
 BUFFERED = Gauge("kinfer_buffered_inputs", "Inputs fetched and waiting for a batch", ["model"])
 PAUSED = Gauge(
-    "kinfer_partitions_paused", "Partitions paused for flow control (buffer full, or more urgent backlog)",
+    "kinfer_partitions_paused", "1 while a priority's partitions are paused (the buffer reached its share)",
     ["model", "priority"],
 )
 CODEL_DROPPING = Gauge("kinfer_codel_dropping", "1 while CoDel sees a standing queue and sheds", ["model"])

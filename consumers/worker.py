@@ -6,8 +6,8 @@ the DLQ and Kafka replies) and a Redis connection. Tasks on one event loop, none
 in the middle of changing shared state, so no locks are needed:
 
     fetch loop (per lane)   getmany() → validate → batcher.add()   bad records → DLQ (+ ``invalid``)
-                            pauses partitions: when the buffer is full, and lower priorities
-                            while a batch's worth of more urgent work is waiting
+                            pauses a priority's partitions when the buffer reaches its share
+                            (lower priorities stop first, keeping room for urgent work)
     dispatch loop           shed (expired / cannot make it / CoDel) → replies
                             when the executor is free: DeficitRoundRobin picks a lane → its
                             batcher's next batch → executor thread → results → publish task
@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 # How long past a request's deadline a worker keeps retrying to publish its reply. After that the
 # caller has already given up with DeadlineExceeded, which is its terminal state.
 PUBLISH_GRACE_MS = 5_000
+
+# The share of the in-process buffer each priority may fill before its partitions pause.
+_BUFFER_SHARE = {Priority.P0: 1.0, Priority.P1: 0.75, Priority.P2: 0.5}
 
 _SHED_STATUS = {Reason.EXPIRED: Status.EXPIRED, Reason.DEADLINE: Status.EXPIRED, Reason.CODEL: Status.SHED}
 _SHED_TEXT = {
@@ -128,7 +131,7 @@ class Lane:
     batcher: DynamicBatcher[Job]
     tracker: OffsetTracker[TopicPartition] = field(default_factory=OffsetTracker)
     consumer: AIOKafkaConsumer | None = None
-    capped: bool = False  # buffer full: every partition paused until it drains to half
+    held: set[Priority] = field(default_factory=set)  # priorities whose partitions are paused
 
     @property
     def name(self) -> str:
@@ -245,30 +248,31 @@ class Worker:
             self._wake.set()
 
     def _flow_control(self, lane: Lane, consumer: AIOKafkaConsumer) -> None:
-        """Kafka is the queue: fetch only what the next batches need, most urgent first."""
-        b, cap = lane.batcher, self.settings.max_buffered_inputs
-        if b.pending_inputs >= cap:
-            lane.capped = True
-        elif b.pending_inputs <= cap // 2:
-            lane.capped = False
-        # A priority is held back while a full batch of more urgent work is already waiting.
-        blocked: set[Priority] = set()
-        ahead = 0
-        for prio in Priority:
-            if ahead >= self.settings.policy.max_batch_size:
-                blocked.add(prio)
-            ahead += b.pending_inputs_at(prio)
-        assigned = consumer.assignment()
-        want = {tp for tp in assigned if lane.capped or parse_request_topic(tp.topic)[1] in blocked}
+        """Kafka is the queue: the in-process buffer is bounded, with room kept for urgent work.
+
+        Each priority may fetch until the buffer holds its share of ``max_buffered_inputs`` (p2
+        half, p1 three quarters, p0 all of it), then its partitions pause until the buffer drains
+        an eighth below that. So a flood of batch traffic never locks out an interactive request,
+        and lower priorities stay visible to the batcher (which can refuse them explicitly) for as
+        long as there is room.
+        """
+        cap = self.settings.max_buffered_inputs
+        buffered = lane.batcher.pending_inputs
+        for prio, share in _BUFFER_SHARE.items():
+            if buffered >= share * cap:
+                lane.held.add(prio)
+            elif buffered <= share * cap - cap / 8:
+                lane.held.discard(prio)
+        want = {tp for tp in consumer.assignment() if parse_request_topic(tp.topic)[1] in lane.held}
         paused = consumer.paused()
+        if want == paused:
+            return
         if want - paused:
             consumer.pause(*(want - paused))
         if paused - want:
             consumer.resume(*(paused - want))
-        if want != paused:
-            for prio in Priority:
-                count = sum(1 for tp in want if parse_request_topic(tp.topic)[1] is prio)
-                metrics.PAUSED.labels(lane.name, prio.label).set(count)
+        for prio in Priority:
+            metrics.PAUSED.labels(lane.name, prio.label).set(int(prio in lane.held))
 
     async def _admit(
         self, lane: Lane, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], now: float, wall: int
