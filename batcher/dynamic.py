@@ -241,8 +241,9 @@ class DynamicBatcher(Generic[T]):
             return None
         taken, full = self._plan(now)
         predicted = self.predict(taken)
-        oldest = min(p.arrival for p in taken)
-        waited_out = now - oldest >= self._max_wait_s
+        # The ceiling is on the oldest queued request, taken or not: a request held out of this
+        # batch (by priority or padding) still makes the batch go, so it is next in line.
+        waited_out = now - min(p.arrival for p in self._items.values()) >= self._max_wait_s
         if self.policy.mode == "window":
             ready = full or waited_out
         else:
@@ -259,12 +260,17 @@ class DynamicBatcher(Generic[T]):
         """Feed the measured duration of a finished batch to the service-time model."""
         self.service.observe(batch.padded_tokens, batch.size, seconds)
 
-    def wake_at(self, now: float, *, idle: bool) -> float | None:
-        """The next time a decision could change with no new arrival (None: only events matter)."""
+    def wake_at(self, now: float, *, idle: bool, pipelined: bool = False) -> float | None:
+        """The next time a decision could change with no new arrival (None: only events matter).
+
+        ``idle``: the executor is free now. ``pipelined``: the caller also asks for batches while
+        its executor is busy. The time a batch seals matters only when the caller would take it:
+        a naive window with a free executor, or a pipelined caller with a busy one.
+        """
         if not self._items:
             return None
         times: list[float] = []
-        if self.policy.mode == "window" or not idle:
+        if (self.policy.mode == "window" and idle) or (pipelined and not idle):
             times.append(min(p.arrival for p in self._items.values()) + self._max_wait_s)
         # The moment a queued request can no longer make its deadline: refuse it then, not later.
         times.append(min(p.deadline - self.predict([p]) for p in self._items.values()))

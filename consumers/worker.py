@@ -336,10 +336,8 @@ class Worker:
                     if queued:
                         log.warning("drain timeout: %d requests left for redelivery", queued)
                     break
-            wakes = [
-                w for lane in self.lanes.values()
-                if (w := lane.batcher.wake_at(now, idle=self._computing is None)) is not None
-            ]
+            idle = self._computing is None
+            wakes = [w for lane in self.lanes.values() if (w := lane.batcher.wake_at(now, idle=idle)) is not None]
             if drain_until is not None:
                 wakes.append(drain_until)
             timeout = max(0.0, min(wakes) - now) if wakes else None

@@ -1,12 +1,33 @@
-"""Benchmarks that need no stack: the model alone, in process."""
+"""Benchmarks: the model alone in process, and batching policies end to end on the local stack."""
 
 from __future__ import annotations
 
+import asyncio
+import math
+import os
+import sys
 import time
 from typing import Any
 
 from consumers.runners import build_runner, resolve_model
-from ops.load import make_texts
+from consumers.runners.registry import minilm_path
+from ops.load import make_texts, open_loop, percentile
+from ops.procs import scrape, spawn_worker, stop_process, wait_until_served
+from ops.stack import LocalStack, StackInfo, free_port
+from producers import Client
+from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+
+SLA_P95_MS = 150.0
+SLA_P99_MS = 250.0
+SLA_MIN_OK = 0.99  # a rate whose requests are refused or lost more than this does not count
+
+# Worker flags per policy. CoDel is off and deadlines are long in every run, so what is measured
+# is batching alone: throughput at a latency target, not how gracefully overload is refused.
+POLICIES: dict[str, list[str]] = {
+    "batch1": ["--max-batch-size", "1"],
+    "window100": ["--mode", "window", "--max-wait-ms", "100", "--max-padding-ratio", "1000"],
+    "kinfer": [],
+}
 
 
 def bench_model(model: str, batch_sizes: list[int], seconds: float = 5.0) -> dict[str, Any]:
@@ -19,8 +40,7 @@ def bench_model(model: str, batch_sizes: list[int], seconds: float = 5.0) -> dic
     for size in batch_sizes:
         done, i, start = 0, 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            batch = [texts[(i + k) % len(texts)] for k in range(size)]
-            runner.run(batch)
+            runner.run([texts[(i + k) % len(texts)] for k in range(size)])
             done += size
             i += size
         elapsed = time.perf_counter() - start
@@ -29,3 +49,113 @@ def bench_model(model: str, batch_sizes: list[int], seconds: float = 5.0) -> dic
             "ms_per_batch": round(elapsed / (done / size) * 1000, 2),
         }
     return out
+
+
+def bench_batching(
+    seconds_per_step: float = 8.0, steps: int = 6, lo_rps: float = 4.0, hi_rps: float = 256.0,
+    policies: list[str] | None = None,
+) -> dict[str, Any]:
+    """For each policy: the highest open-loop rate meeting P95 < 150 ms and P99 < 250 ms."""
+    started_at = time.monotonic()
+    alone = bench_model("minilm", [1, 32], seconds=4.0)
+    report: dict[str, Any] = {
+        "model": "all-MiniLM-L6-v2", "device": alone["device"], "texts": "5-120 words, Poisson arrivals",
+        "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK},
+        "in_process_seq_per_s": {k: v["seq_per_s"] for k, v in alone["batch"].items()},
+    }
+    stack = LocalStack()
+    info, started = stack.up()
+    try:
+        for name in policies or list(POLICIES):
+            _log(f"policy {name}")
+            report[name] = _bench_policy(info, name, seconds_per_step, steps, lo_rps, hi_rps)
+    finally:
+        if started:
+            stack.down()
+    kinfer, window = report.get("kinfer", {}), report.get("window100", {})
+    if kinfer and window and window["max_sla_rps"]:
+        report["kinfer_vs_window100"] = round(kinfer["max_sla_rps"] / window["max_sla_rps"], 2)
+    if kinfer:
+        report["kinfer_vs_in_process_batch32"] = round(
+            kinfer["max_sla_rps"] / report["in_process_seq_per_s"]["32"], 2
+        )
+    report["elapsed_s"] = round(time.monotonic() - started_at, 1)
+    return report
+
+
+def _bench_policy(
+    info: StackInfo, policy: str, seconds_per_step: float, steps: int, lo: float, hi: float
+) -> dict[str, Any]:
+    served = f"bench-{policy}"
+    asyncio.run(ensure_topics(info.bootstrap, [dlq_topic_spec(), *model_topic_specs(served, 3)]))
+    port = free_port()
+    log_path = os.path.join(info.home, f"bench-{policy}.log")
+    proc = spawn_worker(
+        info, served, "--family", "embedding", "--path", str(minilm_path()), "--metrics-port", str(port),
+        "--codel-target-ms", "inf", *POLICIES[policy], log_path=log_path,
+    )
+    try:
+        return asyncio.run(_search(info, served, port, seconds_per_step, steps, lo, hi))
+    finally:
+        stop_process(proc)
+
+
+async def _search(
+    info: StackInfo, model: str, port: int, seconds: float, steps: int, lo: float, hi: float
+) -> dict[str, Any]:
+    """Geometric bisection between lo (assumed to pass) and hi (assumed to fail)."""
+    async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
+        await wait_until_served(client, model)
+        await _step(client, model, port, lo, 2.0, seed=0)  # warm the path; not counted
+        best: dict[str, Any] | None = None
+        tried = []
+        first = await _step(client, model, port, lo, seconds, seed=1)
+        tried.append(first)
+        if first["meets_sla"]:
+            best = first
+            for i in range(steps):
+                rate = math.sqrt(lo * hi)
+                stats = await _step(client, model, port, rate, seconds, seed=2 + i)
+                tried.append(stats)
+                if stats["meets_sla"]:
+                    lo, best = rate, stats
+                else:
+                    hi = rate
+    chosen = best or {"rate": 0.0, "p95_ms": math.nan, "p99_ms": math.nan, "padding_ratio": math.nan,
+                      "mean_batch": math.nan}
+    return {
+        "max_sla_rps": round(chosen["rate"], 1),
+        "p95_ms": chosen["p95_ms"],
+        "p99_ms": chosen["p99_ms"],
+        "padding_ratio": chosen["padding_ratio"],
+        "mean_batch": chosen["mean_batch"],
+        "steps": [{k: s[k] for k in ("rate", "ok_fraction", "p95_ms", "p99_ms", "meets_sla")} for s in tried],
+    }
+
+
+async def _step(client: Client, model: str, port: int, rate: float, seconds: float, seed: int) -> dict[str, Any]:
+    before = scrape(port)
+    texts = make_texts(max(1, int(rate * seconds)), seed=100 + seed)
+    report = await open_loop(client, model, texts, rate, poisson=True, deadline_ms=3_000, seed=seed)
+    after = scrape(port)
+    lat = [o.latency_ms for o in report.ok]
+    ok_fraction = len(lat) / len(report.outcomes)
+    p95, p99 = percentile(lat, 95), percentile(lat, 99)
+    pad_n = after.get("kinfer_padding_ratio_count", 0) - before.get("kinfer_padding_ratio_count", 0)
+    pad_s = after.get("kinfer_padding_ratio_sum", 0) - before.get("kinfer_padding_ratio_sum", 0)
+    stats = {
+        "rate": rate,
+        "ok_fraction": round(ok_fraction, 3),
+        "p95_ms": round(p95, 1),
+        "p99_ms": round(p99, 1),
+        "padding_ratio": round(pad_s / pad_n, 3) if pad_n else math.nan,
+        "mean_batch": report.summary()["mean_batch"],
+        "meets_sla": ok_fraction >= SLA_MIN_OK and p95 < SLA_P95_MS and p99 < SLA_P99_MS,
+    }
+    verdict = "pass" if stats["meets_sla"] else "fail"
+    _log(f"  {rate:7.1f}/s ok={ok_fraction:.3f} p95={p95:.0f}ms p99={p99:.0f}ms {verdict}")
+    return stats
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

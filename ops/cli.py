@@ -138,9 +138,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ops.bench import bench_model
+    from ops.bench import bench_batching, bench_model
 
-    print(json.dumps(bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds), indent=2))
+    if args.bench == "model":
+        report = bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds)
+    else:
+        report = bench_batching(seconds_per_step=args.seconds_per_step, steps=args.steps, policies=args.policy)
+    print(json.dumps(report, indent=None if args.json else 2))
     return 0
 
 
@@ -215,7 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--model", default="minilm")
     bm.add_argument("--batch-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32])
     bm.add_argument("--seconds", type=float, default=5.0)
+    bm.add_argument("--json", action="store_true", help="one line of JSON")
     bm.set_defaults(func=cmd_bench)
+    bb = bs.add_parser("batching", help="max rate meeting P95<150/P99<250 ms per batching policy, end to end")
+    bb.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
+    bb.add_argument("--seconds-per-step", type=float, default=8.0)
+    bb.add_argument("--steps", type=int, default=6, help="bisection steps per policy")
+    bb.add_argument("--policy", action="append", choices=["batch1", "window100", "kinfer"])
+    bb.set_defaults(func=cmd_bench)
     return p
 
 

@@ -5,46 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
-import time
 
 from ops.load import LoadReport, make_texts, open_loop
+from ops.procs import spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo
 from producers import Client
-from topics import KinferError
 from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
-
-
-def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **info.env(), "HF_HUB_OFFLINE": "1"}
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(
-        [sys.executable, "-m", "ops.cli", "worker", "--model", model, *extra],
-        env=env, stdout=out, stderr=subprocess.STDOUT,
-    )
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-async def wait_until_served(client: Client, model: str, timeout_s: float = 180.0) -> None:
-    """Probe until the model answers: the worker loaded, joined its group and got partitions."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await client.infer(model, ["ready?"], deadline_ms=3_000)
-            return
-        except KinferError:
-            if time.monotonic() > deadline:
-                raise
 
 
 def print_report(report: LoadReport) -> None:

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from ops.demo import wait_until_served
+from ops.procs import wait_until_served
 from ops.stack import StackInfo
 from producers import Client
 from tests.integration.conftest import WorkerProcess

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ops.demo import wait_until_served
+from ops.procs import wait_until_served
 from ops.stack import StackInfo
 from producers import Client
 from tests.integration.conftest import WorkerProcess

@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from consumers.runners.registry import minilm_path
-from ops.demo import wait_until_served
 from ops.load import make_texts
+from ops.procs import wait_until_served
 from ops.stack import StackInfo
 from producers import Client
 from tests.integration.conftest import WorkerProcess

@@ -40,7 +40,8 @@ def test_busy_executor_seals_when_full_or_at_the_ceiling() -> None:
     add(b, "a", now=0.0)
     add(b, "b", now=0.01)
     assert b.next_batch(0.02, idle=False) is None  # open: not full, oldest waited 20 ms
-    assert b.wake_at(0.02, idle=False) == pytest.approx(0.05)
+    assert b.wake_at(0.02, idle=False, pipelined=True) == pytest.approx(0.05)
+    assert b.wake_at(0.02, idle=False) == pytest.approx(1e9 - 0.001)  # one executor: only deadlines matter
     assert names(b.next_batch(0.05, idle=False)) == ["a", "b"]  # ceiling reached
     for n in "cde":
         add(b, n, now=0.06)
@@ -59,6 +60,7 @@ def test_window_mode_waits_even_when_idle() -> None:
     add(b, "a", now=0.0)
     assert b.next_batch(0.05, idle=True) is None  # the naive window sits it out
     assert b.wake_at(0.05, idle=True) == pytest.approx(0.1)
+    assert b.wake_at(0.05, idle=False) == pytest.approx(1e9 - 0.001)  # busy: the seal cannot start anyway
     assert names(b.next_batch(0.1, idle=True)) == ["a"]
 
 

@@ -1,0 +1,62 @@
+"""Worker processes for the demo and the benchmarks, and waiting until a model answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from ops.stack import StackInfo
+from producers import Client
+from topics import KinferError
+
+
+def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **info.env(), "HF_HUB_OFFLINE": "1"}
+    with open(log_path or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "worker", "--model", model, *extra],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A worker's Prometheus metrics, each name summed over its labels (0 when unreachable)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_until_served(client: Client, model: str, timeout_s: float = 180.0) -> None:
+    """Probe until the model answers: the worker loaded, joined its group and got partitions."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await client.infer(model, ["ready?"], deadline_ms=3_000)
+            return
+        except KinferError:
+            if time.monotonic() > deadline:
+                raise
