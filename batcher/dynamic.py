@@ -12,11 +12,14 @@ worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and the
   ``2 × aging_ms`` it competes with fresh p0 requests. (Under a surge, p2 requests with short
   deadlines are refused long before aging lifts them: aging is for long-deadline batch work.)
 * The best-ranked request anchors the batch. Others join in rank order while the batch stays
-  within ``max_batch_size`` inputs, ``max_batch_tokens`` *padded* tokens (inputs × longest), and
-  ``max_padding_ratio`` (padded / real tokens): a 100-token request does not ride with a
-  5-token anchor, so padding stays low (length bucketing around the anchor). A request skipped
-  this way closes the batch to every lower level, so a higher priority never waits behind a lower
-  one except as aging allows.
+  within ``max_batch_size`` inputs and ``max_batch_tokens`` *padded* tokens (inputs × longest),
+  and only where joining *saves work*: the batch's predicted time grows by less than the request
+  would take on its own. The prediction comes from the online ``ServiceTimeModel``, so on a GPU
+  (a large fixed cost per batch) almost everything joins, while on a CPU (cost follows padded
+  tokens) a 100-token request does not ride with 5-token ones: length bucketing that adapts to the
+  device. ``max_padding_ratio`` caps padding outright (memory). A request skipped for any of these
+  reasons closes the batch to every lower level, so a higher priority never waits behind a lower
+  one except as aging allows. ``mode="window"`` (the naive baseline) fills in rank order only.
 
 **When a batch goes out**
 
@@ -65,7 +68,7 @@ class BatchPolicy:
     # deadlines: then aging never makes an interactive request late, and still gives long-deadline
     # batch work a turn under sustained higher-priority load.
     aging_ms: float = 1_000.0
-    max_padding_ratio: float = 1.6  # padded / real tokens a joining request may push a batch to
+    max_padding_ratio: float = 4.0  # hard cap on padded / real tokens (memory), whatever the cost model says
     codel_target_ms: float = 50.0  # acceptable standing-queue sojourn
     codel_interval_ms: float = 500.0  # how long it must persist before shedding starts
     codel_min_priority: int = 1  # CoDel never sheds priorities below this (p0 is protected)
@@ -283,10 +286,13 @@ class DynamicBatcher(Generic[T]):
 
     def _plan(self, now: float) -> tuple[list[Pending[T]], bool]:
         ranked = sorted(self._items.values(), key=lambda p: (p.level(now, self._aging_s), p.seq))
-        taken = [ranked[0]]
-        size, longest, real = ranked[0].size, ranked[0].longest, ranked[0].size * ranked[0].longest
+        first = ranked[0]
+        taken = [first]
+        size, longest, real = first.size, first.longest, first.size * first.longest
         full = size >= self.policy.max_batch_size or size * longest >= self.policy.max_batch_tokens
         closed_below: int | None = None  # after a skip, no request of a worse level may join
+        cost_aware = self.policy.mode == "dynamic"
+        cost = self._cost(size, longest) if cost_aware else 0.0
         for p in ranked[1:]:
             lvl = p.level(now, self._aging_s)
             if closed_below is not None and lvl > closed_below:
@@ -297,15 +303,23 @@ class DynamicBatcher(Generic[T]):
                 full = True
                 closed_below = lvl if closed_below is None else closed_below
                 continue
-            if padded > self.policy.max_padding_ratio * new_real:
+            new_cost = self._cost(new_size, new_longest) if cost_aware else 0.0
+            # Join only where it saves work: the batch grows by less than the request would cost on
+            # its own. With a per-batch overhead (a GPU) nearly everything joins; where cost follows
+            # padded tokens (a CPU) only similar lengths do — length bucketing, learned, not tuned.
+            pays = not cost_aware or new_cost - cost <= self._cost(p.size, p.longest)
+            if not pays or padded > self.policy.max_padding_ratio * new_real:
                 closed_below = lvl if closed_below is None else closed_below
                 continue
             taken.append(p)
-            size, longest, real = new_size, new_longest, new_real
+            size, longest, real, cost = new_size, new_longest, new_real, new_cost
             if size >= self.policy.max_batch_size:
                 full = True
                 break
         return taken, full
+
+    def _cost(self, size: int, longest: int) -> float:
+        return self.service.predict(size * longest, size)
 
     def _standing(self, now: float) -> float:
         if not self._items:

@@ -30,9 +30,21 @@ POLICIES: dict[str, list[str]] = {
 }
 
 
-def bench_model(model: str, batch_sizes: list[int], seconds: float = 5.0) -> dict[str, Any]:
+# What the batching benchmark serves: the real model, or a simulated accelerator whose batch
+# costs a fixed 15 ms plus 0.5 ms per input (the shape of a GPU forward pass: batching is nearly
+# free), to show the scheduler where batching pays, which this machine's CPU cannot.
+BENCH_MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
+    "minilm": ("minilm", {}, ["--family", "embedding", "--path", "MINILM"]),
+    "sim": ("noop", {"compute_ms": 15.0, "per_input_ms": 0.5},
+            ["--family", "noop", "--option", "compute_ms=15", "--option", "per_input_ms=0.5"]),
+}
+
+
+def bench_model(
+    model: str, batch_sizes: list[int], seconds: float = 5.0, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Sequences/s of the bare runner at each batch size, on the same 5-120 word texts as the demo."""
-    runner = build_runner(resolve_model(model))
+    runner = build_runner(resolve_model(model, options=options))
     runner.load()
     runner.warmup()
     texts = make_texts(2048, seed=3)
@@ -53,13 +65,16 @@ def bench_model(model: str, batch_sizes: list[int], seconds: float = 5.0) -> dic
 
 def bench_batching(
     seconds_per_step: float = 8.0, steps: int = 6, lo_rps: float = 4.0, hi_rps: float = 256.0,
-    policies: list[str] | None = None,
+    policies: list[str] | None = None, model: str = "minilm",
 ) -> dict[str, Any]:
     """For each policy: the highest open-loop rate meeting P95 < 150 ms and P99 < 250 ms."""
     started_at = time.monotonic()
-    alone = bench_model("minilm", [1, 32], seconds=4.0)
+    runner_model, options, flags = BENCH_MODELS[model]
+    flags = [str(minilm_path()) if f == "MINILM" else f for f in flags]
+    alone = bench_model(runner_model, [1, 32], seconds=4.0, options=options)
     report: dict[str, Any] = {
-        "model": "all-MiniLM-L6-v2", "device": alone["device"], "texts": "5-120 words, Poisson arrivals",
+        "model": "all-MiniLM-L6-v2" if model == "minilm" else "simulated accelerator: 15 ms + 0.5 ms/input",
+        "device": alone["device"], "texts": "5-120 words, Poisson arrivals",
         "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK},
         "in_process_seq_per_s": {k: v["seq_per_s"] for k, v in alone["batch"].items()},
     }
@@ -68,7 +83,7 @@ def bench_batching(
     try:
         for name in policies or list(POLICIES):
             _log(f"policy {name}")
-            report[name] = _bench_policy(info, name, seconds_per_step, steps, lo_rps, hi_rps)
+            report[name] = _bench_policy(info, name, flags, seconds_per_step, steps, lo_rps, hi_rps)
     finally:
         if started:
             stack.down()
@@ -84,15 +99,15 @@ def bench_batching(
 
 
 def _bench_policy(
-    info: StackInfo, policy: str, seconds_per_step: float, steps: int, lo: float, hi: float
+    info: StackInfo, policy: str, model_flags: list[str], seconds_per_step: float, steps: int, lo: float, hi: float
 ) -> dict[str, Any]:
     served = f"bench-{policy}"
     asyncio.run(ensure_topics(info.bootstrap, [dlq_topic_spec(), *model_topic_specs(served, 3)]))
     port = free_port()
     log_path = os.path.join(info.home, f"bench-{policy}.log")
     proc = spawn_worker(
-        info, served, "--family", "embedding", "--path", str(minilm_path()), "--metrics-port", str(port),
-        "--codel-target-ms", "inf", *POLICIES[policy], log_path=log_path,
+        info, served, *model_flags, "--metrics-port", str(port), "--codel-target-ms", "inf", *POLICIES[policy],
+        log_path=log_path,
     )
     try:
         return asyncio.run(_search(info, served, port, seconds_per_step, steps, lo, hi))

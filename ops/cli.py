@@ -143,7 +143,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "model":
         report = bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds)
     else:
-        report = bench_batching(seconds_per_step=args.seconds_per_step, steps=args.steps, policies=args.policy)
+        report = bench_batching(
+            seconds_per_step=args.seconds_per_step, steps=args.steps, policies=args.policy, model=args.model,
+            hi_rps=args.max_rps,
+        )
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
 
@@ -226,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--seconds-per-step", type=float, default=8.0)
     bb.add_argument("--steps", type=int, default=6, help="bisection steps per policy")
     bb.add_argument("--policy", action="append", choices=["batch1", "window100", "kinfer"])
+    bb.add_argument("--model", choices=["minilm", "sim"], default="minilm",
+                    help="sim: a simulated accelerator (15 ms a batch + 0.5 ms an input)")
+    bb.add_argument("--max-rps", type=float, default=256.0, help="upper end of the rate search")
     bb.set_defaults(func=cmd_bench)
     return p
 
