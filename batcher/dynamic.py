@@ -13,13 +13,15 @@ worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and the
   deadlines are refused long before aging lifts them: aging is for long-deadline batch work.)
 * The best-ranked request anchors the batch. Others join in rank order while the batch stays
   within ``max_batch_size`` inputs and ``max_batch_tokens`` *padded* tokens (inputs × longest),
-  and only where joining *saves work*: the batch's predicted time grows by less than the request
-  would take on its own. The prediction comes from the online ``ServiceTimeModel``, so on a GPU
-  (a large fixed cost per batch) almost everything joins, while on a CPU (cost follows padded
-  tokens) a 100-token request does not ride with 5-token ones: length bucketing that adapts to the
-  device. ``max_padding_ratio`` caps padding outright (memory). A request skipped for any of these
-  reasons closes the batch to every lower level, so a higher priority never waits behind a lower
-  one except as aging allows. ``mode="window"`` (the naive baseline) fills in rank order only.
+  and only where joining *pays*: it lowers the queue's total time to completion (it delays the
+  requests already in the batch by less than it saves the request and those queued behind it).
+  Costs come from the online ``ServiceTimeModel``, so on a GPU (a large fixed cost per batch)
+  almost everything joins, while on a CPU (cost follows padded tokens) a 100-token request does not
+  ride with 5-token ones, and similar ones batch only once a backlog makes it worth it: length
+  bucketing and the batch size both adapt to the device and the load. ``max_padding_ratio`` caps
+  padding outright (memory). A request skipped for any of these reasons closes the batch to every
+  lower level, so a higher priority never waits behind a lower one except as aging allows.
+  ``mode="window"`` (the naive baseline) fills in rank order only.
 
 **When a batch goes out**
 
@@ -293,7 +295,7 @@ class DynamicBatcher(Generic[T]):
         closed_below: int | None = None  # after a skip, no request of a worse level may join
         cost_aware = self.policy.mode == "dynamic"
         cost = self._cost(size, longest) if cost_aware else 0.0
-        for p in ranked[1:]:
+        for i, p in enumerate(ranked[1:], start=1):
             lvl = p.level(now, self._aging_s)
             if closed_below is not None and lvl > closed_below:
                 break
@@ -304,10 +306,10 @@ class DynamicBatcher(Generic[T]):
                 closed_below = lvl if closed_below is None else closed_below
                 continue
             new_cost = self._cost(new_size, new_longest) if cost_aware else 0.0
-            # Join only where it saves work: the batch grows by less than the request would cost on
-            # its own. With a per-batch overhead (a GPU) nearly everything joins; where cost follows
-            # padded tokens (a CPU) only similar lengths do — length bucketing, learned, not tuned.
-            pays = not cost_aware or new_cost - cost <= self._cost(p.size, p.longest)
+            pays = not cost_aware or self._pays(
+                grows_by=new_cost - cost, alone=self._cost(p.size, p.longest), riding=len(taken),
+                behind=len(ranked) - i - 1 + (i - len(taken)),
+            )
             if not pays or padded > self.policy.max_padding_ratio * new_real:
                 closed_below = lvl if closed_below is None else closed_below
                 continue
@@ -320,6 +322,19 @@ class DynamicBatcher(Generic[T]):
 
     def _cost(self, size: int, longest: int) -> float:
         return self.service.predict(size * longest, size)
+
+    @staticmethod
+    def _pays(grows_by: float, alone: float, riding: int, behind: int) -> bool:
+        """Does a request joining the batch lower the total time to completion of the queue?
+
+        Joining delays the ``riding`` requests already in the batch by ``grows_by``; it saves
+        ``alone - grows_by`` for the request itself and for each of the ``behind`` requests still
+        queued, which would otherwise also wait for it to run on its own. On a GPU (a large fixed
+        cost per batch) this says yes almost always; on a CPU (cost follows padded tokens) it says
+        yes only for similar lengths, and only once a backlog makes the saved overhead worth it —
+        at low load, batching there would only add latency.
+        """
+        return riding * grows_by <= (behind + 1) * (alone - grows_by)
 
     def _standing(self, now: float) -> float:
         if not self._items:

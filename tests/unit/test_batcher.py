@@ -94,19 +94,31 @@ def test_token_budget_counts_padding() -> None:
     assert names(b.next_batch(0.0, idle=True)) == ["long"]
 
 
-def test_length_bucketing_follows_the_cost_model() -> None:
-    # A CPU-like device: cost follows padded tokens, the per-batch overhead is small.
-    cpu = make_batcher(ServicePrior(fixed_s=0.004, per_token_s=0.0002), max_batch_size=8)
-    # A GPU-like device: a large fixed cost per batch, tokens nearly free.
-    gpu = make_batcher(ServicePrior(fixed_s=0.015, per_token_s=0.000001), max_batch_size=8)
-    for b in (cpu, gpu):
-        for i, n in enumerate([20, 120, 22, 110, 25, 115]):
-            add(b, f"len{n}", i * 0.001, longest=n)
-    first, second = cpu.next_batch(0.01, idle=True), cpu.next_batch(0.01, idle=True)
-    assert names(first) == ["len20", "len22", "len25"]  # similar lengths together
-    assert names(second) == ["len120", "len110", "len115"]
-    assert first is not None and first.padding_ratio < 1.2
-    assert names(gpu.next_batch(0.01, idle=True)) == ["len20", "len120", "len22", "len110", "len25", "len115"]
+CPU = ServicePrior(fixed_s=0.004, per_token_s=0.0002)  # cost follows padded tokens
+GPU = ServicePrior(fixed_s=0.015, per_token_s=0.000001)  # a large fixed cost per batch
+
+
+def test_gpu_like_costs_batch_everything_together() -> None:
+    b = make_batcher(GPU, max_batch_size=8)
+    for i, n in enumerate([20, 120, 22, 110, 25, 115]):
+        add(b, f"len{n}", i * 0.001, longest=n)
+    assert names(b.next_batch(0.01, idle=True)) == ["len20", "len120", "len22", "len110", "len25", "len115"]
+
+
+def test_cpu_like_costs_batch_only_similar_lengths_and_only_under_backlog() -> None:
+    light = make_batcher(CPU, max_batch_size=8)
+    add(light, "a", 0.0, longest=30)
+    add(light, "b", 0.0, longest=30)
+    # Two requests: batching saves 4 ms of overhead but delays "a" by all of "b"'s tokens.
+    assert names(light.next_batch(0.0, idle=True)) == ["a"]
+
+    backlog = make_batcher(CPU, max_batch_size=8)
+    for i in range(30):
+        add(backlog, f"short{i}", 0.0, longest=30)
+    add(backlog, "long", 0.0, longest=200)
+    batch = backlog.next_batch(0.0, idle=True)
+    assert batch is not None and len(batch.items) > 1  # a backlog makes the overhead worth saving
+    assert "long" not in names(batch) and batch.padding_ratio == 1.0
 
 
 def test_padding_cap_holds_whatever_the_cost_model_says() -> None:
@@ -117,7 +129,7 @@ def test_padding_cap_holds_whatever_the_cost_model_says() -> None:
 
 
 def test_skipped_higher_priority_closes_the_batch_to_lower_ones() -> None:
-    b = make_batcher(ServicePrior(fixed_s=0.002, per_token_s=0.0002), max_batch_size=8)
+    b = make_batcher(GPU, max_batch_size=8, max_padding_ratio=1.5)
     add(b, "p0-short", 0.0, priority=0, longest=10)
     add(b, "p0-long", 0.0, priority=0, longest=200)
     add(b, "p2-short", 0.0, priority=2, longest=10)
