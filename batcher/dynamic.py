@@ -132,7 +132,6 @@ class Batch(Generic[T]):
     """The requests to run together, in the order they were taken."""
 
     items: tuple[Pending[T], ...]
-    sealed_at: float  # when next_batch returned it
     predicted_s: float  # the service-time model's guess for it
 
     @property
@@ -259,7 +258,7 @@ class DynamicBatcher(Generic[T]):
         for p in taken:
             self._take(p)
         self._codel.observe(self._standing(now), now)
-        return Batch(tuple(taken), now, predicted)
+        return Batch(tuple(taken), predicted)
 
     def observe(self, batch: Batch[T], seconds: float) -> None:
         """Feed the measured duration of a finished batch to the service-time model."""

@@ -157,7 +157,7 @@ class Worker:
         self._wake = asyncio.Event()  # something changed for the dispatch loop
         self._commit_wake = asyncio.Event()  # some reply went out
         self._drained = asyncio.Event()  # dispatch and publishing are over; final commit
-        self.ready = asyncio.Event()  # models loaded and partitions assigned
+        self._ready_logged = False
         self._computing: asyncio.Task[None] | None = None
         self._free_at = 0.0  # when the running batch is predicted to end
         self._publishing: set[asyncio.Task[None]] = set()
@@ -224,6 +224,7 @@ class Worker:
     async def _fetch_loop(self, lane: Lane) -> None:
         consumer = lane.consumer
         assert consumer is not None
+        lanes = list(self.lanes.values())
         while not self._stopping.is_set():
             self._flow_control(lane, consumer)
             try:
@@ -232,11 +233,9 @@ class Worker:
                 log.warning("%s: fetch failed, retrying: %s", lane.name, exc)
                 await asyncio.sleep(0.5)
                 continue
-            if not self.ready.is_set() and all(
-                lane.consumer is not None and lane.consumer.assignment() for lane in self.lanes.values()
-            ):
-                self.ready.set()
-                log.info("worker %s ready", self.settings.worker_id)
+            if not self._ready_logged and all(other.consumer and other.consumer.assignment() for other in lanes):
+                self._ready_logged = True
+                log.info("worker %s ready: %s", self.settings.worker_id, ", ".join(self.lanes))
             if not data:
                 continue
             now, wall = time.monotonic(), now_ms()

@@ -64,7 +64,7 @@ def bench_model(
 
 
 def bench_batching(
-    seconds_per_step: float = 8.0, steps: int = 6, lo_rps: float = 4.0, hi_rps: float = 256.0,
+    seconds_per_step: float = 8.0, steps: int = 6, lo_rps: float = 10.0, hi_rps: float = 256.0,
     policies: list[str] | None = None, model: str = "minilm",
 ) -> dict[str, Any]:
     """For each policy: the highest open-loop rate meeting P95 < 150 ms and P99 < 250 ms."""
@@ -121,7 +121,7 @@ async def _search(
     """Geometric bisection between lo (assumed to pass) and hi (assumed to fail)."""
     async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
         await wait_until_served(client, model)
-        await _step(client, model, port, lo, 2.0, seed=0)  # warm the path; not counted
+        await open_loop(client, model, make_texts(30, seed=99), lo, deadline_ms=3_000)  # warm-up, not counted
         best: dict[str, Any] | None = None
         tried = []
         first = await _step(client, model, port, lo, seconds, seed=1)
@@ -136,8 +136,8 @@ async def _search(
                     lo, best = rate, stats
                 else:
                     hi = rate
-    chosen = best or {"rate": 0.0, "p95_ms": math.nan, "p99_ms": math.nan, "padding_ratio": math.nan,
-                      "mean_batch": math.nan}
+    # No rate met the SLA: say so with nulls (strict JSON has no NaN).
+    chosen = best or {"rate": 0.0, "p95_ms": None, "p99_ms": None, "padding_ratio": None, "mean_batch": None}
     return {
         "max_sla_rps": round(chosen["rate"], 1),
         "p95_ms": chosen["p95_ms"],
@@ -148,22 +148,26 @@ async def _search(
     }
 
 
+# Fewer requests than this make a p99 the luck of one sample (this machine is shared and noisy).
+MIN_REQUESTS_PER_STEP = 150
+
+
 async def _step(client: Client, model: str, port: int, rate: float, seconds: float, seed: int) -> dict[str, Any]:
     before = scrape(port)
-    texts = make_texts(max(1, int(rate * seconds)), seed=100 + seed)
+    texts = make_texts(max(MIN_REQUESTS_PER_STEP, int(rate * seconds)), seed=100 + seed)
     report = await open_loop(client, model, texts, rate, poisson=True, deadline_ms=3_000, seed=seed)
     after = scrape(port)
     lat = [o.latency_ms for o in report.ok]
     ok_fraction = len(lat) / len(report.outcomes)
-    p95, p99 = percentile(lat, 95), percentile(lat, 99)
+    p95, p99 = (percentile(lat, 95), percentile(lat, 99)) if lat else (math.inf, math.inf)
     pad_n = after.get("kinfer_padding_ratio_count", 0) - before.get("kinfer_padding_ratio_count", 0)
     pad_s = after.get("kinfer_padding_ratio_sum", 0) - before.get("kinfer_padding_ratio_sum", 0)
     stats = {
         "rate": rate,
         "ok_fraction": round(ok_fraction, 3),
-        "p95_ms": round(p95, 1),
-        "p99_ms": round(p99, 1),
-        "padding_ratio": round(pad_s / pad_n, 3) if pad_n else math.nan,
+        "p95_ms": round(p95, 1) if lat else None,
+        "p99_ms": round(p99, 1) if lat else None,
+        "padding_ratio": round(pad_s / pad_n, 3) if pad_n else None,
         "mean_batch": report.summary()["mean_batch"],
         "meets_sla": ok_fraction >= SLA_MIN_OK and p95 < SLA_P95_MS and p99 < SLA_P99_MS,
     }

@@ -147,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             seconds_per_step=args.seconds_per_step, steps=args.steps, policies=args.policy, model=args.model,
             hi_rps=args.max_rps,
         )
-    print(json.dumps(report, indent=None if args.json else 2))
+    print(json.dumps(report, indent=None if args.json else 2, allow_nan=False))
     return 0
 
 
