@@ -4,9 +4,11 @@
   bucketing, work-conserving dispatch, deadline-aware shedding and CoDel.
 - ``ServiceTimeModel``: online estimate of a batch's compute time.
 - ``DeficitRoundRobin``: fair sharing of one executor between co-located models.
+- ``ContinuousScheduler``: iteration-level scheduling for generation (join and leave per step).
 """
 
 from batcher.codel import CoDel
+from batcher.continuous import ContinuousScheduler, Finish, GenPolicy, Sequence, StepPlan
 from batcher.dynamic import Batch, BatchPolicy, Dropped, DynamicBatcher, Pending, Reason
 from batcher.fair import DeficitRoundRobin
 from batcher.service import ServicePrior, ServiceTimeModel
@@ -15,11 +17,16 @@ __all__ = [
     "Batch",
     "BatchPolicy",
     "CoDel",
+    "ContinuousScheduler",
     "DeficitRoundRobin",
     "Dropped",
     "DynamicBatcher",
+    "Finish",
+    "GenPolicy",
     "Pending",
     "Reason",
+    "Sequence",
     "ServicePrior",
     "ServiceTimeModel",
+    "StepPlan",
 ]

@@ -1,0 +1,296 @@
+"""Generation from any Hugging Face causal LM, one token per step, for continuous batching.
+
+The running batch is a value, ``GenBatch`` (after TGI's ``CausalLMBatch``): rows are sequences,
+each with its KV cache, left-padded to a common length. ``filter(ids)`` drops rows that finished
+or were cancelled (and trims cache columns that only padding still uses); ``concatenate(batches)``
+merges newly prefilled rows into the running batch. Continuous batching is exactly these two
+operations around one forward pass per step.
+
+Everything here runs in the worker's executor thread; nothing touches the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Per-request sampling parameters (``params`` of the request envelope)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()  # generation ends when one appears; it is not part of the output
+    seed: int | None = None  # default: derived from the request id, so a redelivery samples the same tokens
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Sampling:
+        stop = params.get("stop") or ()
+        if isinstance(stop, str):
+            stop = tuple(s for s in stop.split("\x1f") if s)  # several stops travel joined by US (0x1F)
+        return cls(
+            max_new_tokens=int(params.get("max_new_tokens", 64)),
+            temperature=float(params.get("temperature", 0.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            stop=tuple(stop),
+            seed=None if params.get("seed") is None else int(params["seed"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenInput:
+    id: str
+    prompt: str
+    sampling: Sampling = field(default_factory=Sampling)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What one sequence produced in one step."""
+
+    id: str
+    token: int  # the token id
+    text: str  # text that became final this step (may be empty while a stop sequence might form)
+    finish: str | None  # "eos", "length" or "stop" when this was the last token
+    prompt_tokens: int
+    generated: int  # tokens produced so far, this one included
+
+
+@dataclass
+class _Row:
+    id: str
+    prompt_tokens: int
+    sampling: Sampling
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    emitted: int = 0  # characters of the decoded text already sent
+
+
+@dataclass
+class GenBatch:
+    """Left-padded running batch: ``cache`` holds every token fed so far, ``next_ids`` the ones to feed."""
+
+    ids: list[str]
+    cache: Any  # a DynamicCache: per layer, keys/values [rows, heads, T, head_dim]
+    attention_mask: torch.Tensor  # [rows, T]: 1 where the cache holds a real token
+    next_ids: torch.Tensor  # [rows]: last sampled token of each row, not yet fed
+    positions: torch.Tensor  # [rows]: position id of next_ids (= real tokens so far)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Cache slots allocated (rows × length), padding included."""
+        return int(self.attention_mask.numel())
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum().item())
+
+    def filter(self, keep: list[str]) -> GenBatch | None:
+        if not keep:
+            return None
+        if keep == self.ids:
+            return self
+        index = torch.tensor([self.ids.index(i) for i in keep], device=self.next_ids.device)
+        mask = self.attention_mask.index_select(0, index)
+        # Columns that every remaining row has as padding can go: their memory is freed now.
+        first = int(mask.any(dim=0).int().argmax().item())
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]
+        return GenBatch(
+            list(keep), self.cache, mask[:, first:], self.next_ids.index_select(0, index),
+            self.positions.index_select(0, index),
+        )
+
+    @staticmethod
+    def concatenate(batches: list[GenBatch]) -> GenBatch:
+        if len(batches) == 1:
+            return batches[0]
+        length = max(b.attention_mask.shape[1] for b in batches)
+        first = batches[0]
+        for li, layer in enumerate(first.cache.layers):
+            keys, values = [], []
+            for b in batches:
+                k, v = b.cache.layers[li].keys, b.cache.layers[li].values
+                assert k is not None and v is not None
+                pad = length - k.shape[2]
+                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            layer.keys, layer.values = torch.cat(keys), torch.cat(values)
+        masks = [torch.nn.functional.pad(b.attention_mask, (length - b.attention_mask.shape[1], 0)) for b in batches]
+        return GenBatch(
+            [i for b in batches for i in b.ids], first.cache, torch.cat(masks),
+            torch.cat([b.next_ids for b in batches]), torch.cat([b.positions for b in batches]),
+        )
+
+
+class GeneratorRunner:
+    family = "generator"
+
+    def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                 max_prompt_tokens: int = 1024) -> None:
+        self.path = str(path)
+        self.device = device
+        self.dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.tokenizer: Any = None
+        self.model: Any = None
+        self.eos: set[int] = set()
+        self.batch: GenBatch | None = None
+        self._rows: dict[str, _Row] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        model: Any = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        # transformers 5.x renamed ``past_key_values`` to ``cache``; the cache is updated in place.
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+
+    def warmup(self) -> None:
+        self.step([GenInput("warmup", "warm up the kernels", Sampling(max_new_tokens=2))], [])
+        while self.batch is not None:
+            self.step([], [])
+
+    def count_tokens(self, text: str) -> int:
+        return min(self.max_prompt_tokens, len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1)
+
+    @property
+    def running(self) -> list[str]:
+        return list(self.batch.ids) if self.batch is not None else []
+
+    # -- one step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, admit: list[GenInput], drop: list[str]) -> list[TokenEvent]:
+        """Drop rows, decode one token for every running row, prefill the admitted ones."""
+        if drop and self.batch is not None:
+            self.batch = self.batch.filter([i for i in self.batch.ids if i not in set(drop)])
+        for i in drop:
+            self._rows.pop(i, None)
+        events: list[TokenEvent] = []
+        if self.batch is not None:
+            events += self._decode(self.batch)
+        if admit:
+            new = self._prefill(admit)
+            events += self._sample(new, self._last_logits)
+            self.batch = new if self.batch is None else GenBatch.concatenate([self.batch, new])
+        done = {e.id for e in events if e.finish is not None}
+        if done and self.batch is not None:
+            self.batch = self.batch.filter([i for i in self.batch.ids if i not in done])
+            for i in done:
+                self._rows.pop(i, None)
+        return events
+
+    def _prefill(self, admit: list[GenInput]) -> GenBatch:
+        encoded = [self.tokenizer(a.prompt, add_special_tokens=True)["input_ids"][-self.max_prompt_tokens:]
+                   for a in admit]
+        length = max(len(e) for e in encoded)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (length - len(e)) + e for e in encoded], device=self.device)
+        mask = torch.tensor([[0] * (length - len(e)) + [1] * len(e) for e in encoded], device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self._cache_kw: cache})
+        self._last_logits = out.logits[:, -1, :]
+        for a, e in zip(admit, encoded, strict=True):
+            self._rows[a.id] = _Row(a.id, len(e), a.sampling, _generator(a.id, a.sampling))
+        lengths = mask.sum(-1)
+        return GenBatch([a.id for a in admit], cache, mask, lengths.clone(), lengths.clone())
+
+    def _decode(self, batch: GenBatch) -> list[TokenEvent]:
+        mask = torch.nn.functional.pad(batch.attention_mask, (0, 1), value=1)
+        out = self.model(
+            input_ids=batch.next_ids[:, None], attention_mask=mask, position_ids=batch.positions[:, None],
+            use_cache=True, **{self._cache_kw: batch.cache},
+        )
+        batch.attention_mask = mask
+        batch.positions = batch.positions + 1
+        return self._sample(batch, out.logits[:, -1, :])
+
+    def _sample(self, batch: GenBatch, logits: torch.Tensor) -> list[TokenEvent]:
+        events, picked = [], []
+        for r, rid in enumerate(batch.ids):
+            row = self._rows[rid]
+            token = _pick(logits[r].float(), row.sampling, row.generator)
+            picked.append(token)
+            row.tokens.append(token)
+            events.append(self._event(row, token))
+        batch.next_ids = torch.tensor(picked, device=self.device)
+        return events
+
+    def _event(self, row: _Row, token: int) -> TokenEvent:
+        finish = None
+        if token in self.eos:
+            finish = "eos"
+        elif len(row.tokens) >= row.sampling.max_new_tokens:
+            finish = "length"
+        text = self.tokenizer.decode([t for t in row.tokens if t not in self.eos], skip_special_tokens=True)
+        cut = min((text.find(s, max(0, row.emitted - len(s))) for s in row.sampling.stop if s in text),
+                  default=-1)
+        if cut >= 0:
+            finish, text = "stop", text[:cut]
+        elif finish is None:
+            text = text[: len(text) - _held_back(text, row.sampling.stop)]
+        delta = text[row.emitted:]
+        row.emitted = len(text)
+        return TokenEvent(row.id, token, delta, finish, row.prompt_tokens, len(row.tokens))
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of ``text`` that could still become a stop sequence: not sent yet."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if s.startswith(text[-k:]):
+                best = max(best, k)
+                break
+    return best
+
+
+def _generator(request_id: str, sampling: Sampling) -> torch.Generator | None:
+    if sampling.temperature == 0:
+        return None
+    seed = sampling.seed
+    if seed is None:
+        seed = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+    return torch.Generator().manual_seed(seed % (2**63))
+
+
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    if sampling.temperature == 0 or generator is None:
+        return int(logits.argmax().item())
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < sampling.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+
+
+__all__ = ["GenBatch", "GenInput", "GeneratorRunner", "Sampling", "TokenEvent"]

