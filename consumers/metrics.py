@@ -37,3 +37,13 @@ PAUSED = Gauge(
     ["model", "priority"],
 )
 CODEL_DROPPING = Gauge("kinfer_codel_dropping", "1 while CoDel sees a standing queue and sheds", ["model"])
+
+GEN_STEP = Histogram("kinfer_generation_step_seconds", "One continuous-batching step", ["model"], buckets=_S_BUCKETS)
+GEN_TOKENS = Counter("kinfer_generated_tokens_total", "Tokens generated", ["model"])
+GEN_RUNNING = Gauge("kinfer_generation_running", "Sequences in the running batch", ["model"])
+GEN_CANCELLED = Counter("kinfer_generation_cancelled_total", "Streams cancelled by their client", ["model"])
+KV_RESERVED = Gauge("kinfer_kv_reserved_tokens", "KV cache tokens reserved by running sequences", ["model"])
+KV_PADDING = Histogram(
+    "kinfer_kv_padding_ratio", "Share of the running batch's KV cache that is left padding (fragmentation)",
+    ["model"], buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+)

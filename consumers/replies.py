@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from topics import ReplyRoute, Result, RouteKind, Unavailable, pack
+from topics import Chunk, ReplyRoute, Result, RouteKind, Unavailable, pack
 from topics.names import DLQ_TOPIC
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class ReplySink:
         self._producer = producer
         self._redis = redis
 
-    async def publish(self, replies: Sequence[tuple[ReplyRoute, Result]]) -> None:
+    async def publish(self, replies: Sequence[tuple[ReplyRoute, Result | Chunk]]) -> None:
         """Publish every reply; raises ``Unavailable`` if any transport failed (caller retries)."""
         to_redis = [(r, res) for r, res in replies if r.kind is RouteKind.REDIS]
         to_kafka = [(r, res) for r, res in replies if r.kind is RouteKind.KAFKA]

@@ -29,25 +29,27 @@ import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from prometheus_client import start_http_server
 
-from batcher import Batch, BatchPolicy, DeficitRoundRobin, DynamicBatcher, Reason
+from batcher import Batch, BatchPolicy, DeficitRoundRobin, DynamicBatcher, GenPolicy, Reason, StepPlan
 from consumers import metrics
-from consumers.offsets import OffsetTracker
+from consumers.lanes import BatchLane, GenLane, Job, Lane
 from consumers.replies import ReplySink
-from consumers.runners import ModelSpec, Runner, build_runner
+from consumers.runners import BatchRunner, ModelSpec, Runner, build_runner
+from consumers.runners.generator import GeneratorRunner
 from topics import (
     DEFAULT_LIMITS,
+    Chunk,
     InvalidRequest,
     Limits,
     Priority,
-    Request,
     Result,
     Status,
     Timings,
@@ -56,7 +58,7 @@ from topics import (
     now_ms,
 )
 from topics.envelope import salvage_route
-from topics.names import consumer_group, parse_request_topic, request_topics
+from topics.names import CANCEL_CHANNEL, consumer_group, parse_request_topic, request_topics
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class WorkerSettings:
     bootstrap: str  # Kafka bootstrap servers, "host:port[,host:port]"
     redis_url: str  # redis://host:port/db
     policy: BatchPolicy = field(default_factory=BatchPolicy)
+    gen_policy: GenPolicy = field(default_factory=GenPolicy)  # for generator models
     weights: dict[str, float] = field(default_factory=dict)  # fair-share weight by model (default 1)
     fair_quantum_ms: float = 50.0  # compute time a lane may use per round before others get a turn
     limits: Limits = DEFAULT_LIMITS
@@ -111,42 +114,11 @@ class WorkerSettings:
             raise ValueError(f"weights for models this worker does not host: {sorted(unknown)}")
 
 
-@dataclass(slots=True)
-class Job:
-    """A fetched, valid request and where it came from."""
-
-    request: Request
-    tp: TopicPartition
-    offset: int
-    queue_ms: float  # Kafka record timestamp → fetched
-    fetched: float  # monotonic seconds
-
-
-@dataclass(eq=False)
-class Lane:
-    """One hosted model."""
-
-    spec: ModelSpec
-    runner: Runner
-    batcher: DynamicBatcher[Job]
-    tracker: OffsetTracker[TopicPartition] = field(default_factory=OffsetTracker)
-    consumer: AIOKafkaConsumer | None = None
-    held: set[Priority] = field(default_factory=set)  # priorities whose partitions are paused
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-
 class Worker:
     def __init__(self, settings: WorkerSettings, runners: dict[str, Runner] | None = None) -> None:
         self.settings = settings
-        self.lanes = {
-            spec.name: Lane(
-                spec,
-                (runners or {}).get(spec.name) or build_runner(spec, settings.device),
-                DynamicBatcher(settings.policy),
-            )
+        self.lanes: dict[str, Lane] = {
+            spec.name: self._lane(spec, (runners or {}).get(spec.name) or build_runner(spec, settings.device))
             for spec in settings.models
         }
         self._fair: DeficitRoundRobin[str] = DeficitRoundRobin(settings.fair_quantum_ms / 1000.0)
@@ -164,6 +136,11 @@ class Worker:
         self._tg: asyncio.TaskGroup | None = None
         self._sink: ReplySink | None = None
 
+    def _lane(self, spec: ModelSpec, runner: Runner) -> Lane:
+        if isinstance(runner, GeneratorRunner):
+            return GenLane.create(spec, runner, self.settings.gen_policy, self.settings.worker_id)
+        return BatchLane(spec=spec, runner=cast(BatchRunner, runner), batcher=DynamicBatcher(self.settings.policy))
+
     def stop(self) -> None:
         """Graceful stop: stop fetching, finish buffered work, reply, commit, leave the groups."""
         self._stopping.set()
@@ -175,9 +152,10 @@ class Worker:
         s = self.settings
         loop = asyncio.get_running_loop()
         for lane in self.lanes.values():
-            log.info("loading model %s (%s) on %s", lane.name, lane.spec.family, lane.runner.device)
-            await loop.run_in_executor(self._executor, lane.runner.load)
-            await loop.run_in_executor(self._executor, lane.runner.warmup)
+            runner = lane.model_runner
+            log.info("loading model %s (%s) on %s", lane.name, lane.spec.family, runner.device)
+            await loop.run_in_executor(self._executor, runner.load)
+            await loop.run_in_executor(self._executor, runner.warmup)
         if s.metrics_port is not None:
             start_http_server(s.metrics_port, addr="127.0.0.1")
 
@@ -209,6 +187,8 @@ class Worker:
                     tg.create_task(self._fetch_loop(lane))
                 tg.create_task(self._dispatch_loop())
                 tg.create_task(self._commit_loop())
+                if any(isinstance(lane, GenLane) for lane in self.lanes.values()):
+                    tg.create_task(self._cancel_loop(redis))
         finally:
             for lane in self.lanes.values():
                 if lane.consumer is not None:
@@ -243,7 +223,7 @@ class Worker:
                 for record in records:
                     lane.tracker.track(tp, record.offset)
                     await self._admit(lane, tp, record, now, wall)
-            metrics.BUFFERED.labels(lane.name).set(lane.batcher.pending_inputs)
+            metrics.BUFFERED.labels(lane.name).set(lane.buffered())
             self._wake.set()
 
     def _flow_control(self, lane: Lane, consumer: AIOKafkaConsumer) -> None:
@@ -256,7 +236,7 @@ class Worker:
         long as there is room.
         """
         cap = self.settings.max_buffered_inputs
-        buffered = lane.batcher.pending_inputs
+        buffered = lane.buffered()
         for prio, share in _BUFFER_SHARE.items():
             if buffered >= share * cap:
                 lane.held.add(prio)
@@ -287,12 +267,20 @@ class Worker:
         queue_ms = max(0.0, wall - record.timestamp)
         job = Job(request, tp, record.offset, queue_ms, now)
         metrics.QUEUE_WAIT.labels(lane.name, request.priority.label).observe(queue_ms / 1000.0)
+        deadline = now + (request.deadline_ms - wall) / 1000.0
+        if isinstance(lane, GenLane):
+            try:
+                lane.admit(job, now, deadline)
+            except InvalidRequest as exc:
+                await self._reject(lane, tp, record.offset, value, exc)
+            return
+        assert isinstance(lane, BatchLane)
         lane.batcher.add(
             job,
             priority=int(request.priority),
             size=len(request.inputs),
             longest=max(lane.runner.count_tokens(t) for t in request.inputs),
-            deadline=now + (request.deadline_ms - wall) / 1000.0,
+            deadline=deadline,
             now=now,
             enqueued=now - queue_ms / 1000.0,
         )
@@ -321,22 +309,27 @@ class Worker:
             now = time.monotonic()
             idle = self._computing is None
             for lane in self.lanes.values():
-                self._shed(lane, now, free_at=now if idle else max(now, self._free_at))
+                if isinstance(lane, BatchLane):
+                    self._shed(lane, now, free_at=now if idle else max(now, self._free_at))
+                    metrics.CODEL_DROPPING.labels(lane.name).set(int(lane.batcher.shedding))
             if idle:
                 self._start_next(now)
             for lane in self.lanes.values():
-                metrics.BUFFERED.labels(lane.name).set(lane.batcher.pending_inputs)
-                metrics.CODEL_DROPPING.labels(lane.name).set(int(lane.batcher.shedding))
+                metrics.BUFFERED.labels(lane.name).set(lane.buffered())
 
-            queued = sum(len(lane.batcher) for lane in self.lanes.values())
+            queued = sum(lane.buffered() for lane in self.lanes.values())
             if self._stopping.is_set():
                 drain_until = drain_until or now + self.settings.drain_timeout_s
-                if (self._computing is None and not queued) or now >= drain_until:
+                busy = self._computing is not None or any(lane.has_work() for lane in self.lanes.values())
+                if not busy or now >= drain_until:
                     if queued:
                         log.warning("drain timeout: %d requests left for redelivery", queued)
                     break
             idle = self._computing is None
-            wakes = [w for lane in self.lanes.values() if (w := lane.batcher.wake_at(now, idle=idle)) is not None]
+            wakes = [
+                w for lane in self.lanes.values()
+                if isinstance(lane, BatchLane) and (w := lane.batcher.wake_at(now, idle=idle)) is not None
+            ]
             if drain_until is not None:
                 wakes.append(drain_until)
             timeout = max(0.0, min(wakes) - now) if wakes else None
@@ -350,20 +343,30 @@ class Worker:
         self._commit_wake.set()
 
     def _start_next(self, now: float) -> None:
-        """One executor: pick a lane fairly and start its next batch, if any is ready."""
-        ready = {name for name, lane in self.lanes.items() if lane.batcher}
+        """One executor: pick a lane fairly and start its next batch or generation step, if any."""
+        ready = {name for name, lane in self.lanes.items() if lane.has_work()}
         while ready:
             name = self._fair.pick(ready)
             assert name is not None
             lane = self.lanes[name]
-            batch = lane.batcher.next_batch(now, idle=True)
-            if batch is not None:
-                self._free_at = now + batch.predicted_s
-                self._computing = self._spawn(self._compute(lane, batch))
-                return
-            ready.discard(name)  # a naive window still holding its batch back
+            if isinstance(lane, GenLane):
+                plan, ended = lane.plan(now)
+                if ended:
+                    self._reply(lane, ended)
+                    self._gen_gauges(lane)
+                if plan.admit or plan.decode:
+                    self._computing = self._spawn(self._generate(lane, plan))
+                    return
+            else:
+                assert isinstance(lane, BatchLane)
+                batch = lane.batcher.next_batch(now, idle=True)
+                if batch is not None:
+                    self._free_at = now + batch.predicted_s
+                    self._computing = self._spawn(self._compute(lane, batch))
+                    return
+            ready.discard(name)  # nothing to start (a naive window holding back, or only evictions)
 
-    def _shed(self, lane: Lane, now: float, free_at: float) -> None:
+    def _shed(self, lane: BatchLane, now: float, free_at: float) -> None:
         dropped = lane.batcher.shed(now, free_at=free_at)
         if not dropped:
             return
@@ -375,7 +378,36 @@ class Worker:
             replies.append((job, self._result(lane, job, _SHED_STATUS[d.reason], error=error)))
         self._reply(lane, replies)
 
-    async def _compute(self, lane: Lane, batch: Batch[Job]) -> None:
+    async def _generate(self, lane: GenLane, plan: StepPlan) -> None:
+        """One continuous-batching step: drop, decode, prefill; then stream what it produced."""
+        admit, drop = lane.step_inputs(plan)
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            events = await loop.run_in_executor(self._executor, lane.runner.step, admit, drop)
+        except Exception:
+            log.exception("%s: generation step failed; failing its sequences", lane.name)
+            raise  # the runner's batch is in an unknown state: let the worker die and redeliver
+        took = time.monotonic() - started
+        self._fair.charge(lane.name, took)
+        metrics.GEN_STEP.labels(lane.name).observe(took)
+        metrics.GEN_TOKENS.labels(lane.name).inc(len(events))
+        batch = lane.runner.batch
+        if batch is not None and batch.cache_tokens:
+            metrics.KV_PADDING.labels(lane.name).observe(1.0 - batch.real_tokens / batch.cache_tokens)
+        replies, _ = lane.apply(events)
+        self._gen_gauges(lane)
+        self._computing = None
+        self._wake.set()
+        if replies:
+            self._reply(lane, replies)
+
+    @staticmethod
+    def _gen_gauges(lane: GenLane) -> None:
+        metrics.GEN_RUNNING.labels(lane.name).set(len(lane.scheduler.running))
+        metrics.KV_RESERVED.labels(lane.name).set(lane.scheduler.kv_reserved)
+
+    async def _compute(self, lane: BatchLane, batch: Batch[Job]) -> None:
         jobs = batch.payloads
         texts = [t for job in jobs for t in job.request.inputs]
         started = time.monotonic()
@@ -404,7 +436,7 @@ class Worker:
         self._wake.set()
         self._reply(lane, replies)
 
-    def _observe(self, lane: Lane, batch: Batch[Job], started: float, took: float) -> None:
+    def _observe(self, lane: BatchLane, batch: Batch[Job], started: float, took: float) -> None:
         metrics.COMPUTE.labels(lane.name).observe(took)
         metrics.PREDICTED.labels(lane.name).observe(batch.predicted_s)
         metrics.BATCH_SIZE.labels(lane.name).observe(batch.size)
@@ -423,11 +455,11 @@ class Worker:
 
     # -- replies and commits -----------------------------------------------------------------
 
-    def _reply(self, lane: Lane, replies: list[tuple[Job, Result]]) -> None:
+    def _reply(self, lane: Lane, replies: list[tuple[Job, Result]] | list[tuple[Job, Result | Chunk]]) -> None:
         self._publishing.add(task := self._spawn(self._publish(lane, replies)))
         task.add_done_callback(self._publishing.discard)
 
-    async def _publish(self, lane: Lane, replies: list[tuple[Job, Result]]) -> None:
+    async def _publish(self, lane: Lane, replies: list[tuple[Job, Result]] | list[tuple[Job, Result | Chunk]]) -> None:
         assert self._sink is not None
         give_up_ms = max(job.request.deadline_ms for job, _ in replies) + PUBLISH_GRACE_MS
         delay = 0.05
@@ -442,10 +474,34 @@ class Worker:
                 log.warning("reply publish failed, retrying in %.2fs: %s", delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        for job, result in replies:
+        for job, reply in replies:
+            if isinstance(reply, Chunk) and not reply.final:
+                continue  # a stream's offset is done with its last chunk
             lane.tracker.done(job.tp, job.offset)
-            metrics.RESULTS.labels(lane.name, job.request.priority.label, result.status.value).inc()
+            status = reply.status.value if reply.status is not None else "ok"
+            metrics.RESULTS.labels(lane.name, job.request.priority.label, status).inc()
         self._commit_wake.set()
+
+    async def _cancel_loop(self, redis: aioredis.Redis) -> None:
+        """Streams whose client went away: free their slot at the next step (best effort)."""
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(CANCEL_CHANNEL)
+        try:
+            while not self._drained.is_set():
+                msg = await pubsub.get_message(timeout=0.5)
+                if msg is None or msg.get("type") != "message":
+                    continue
+                try:
+                    note = msgpack.unpackb(msg["data"], raw=False, max_str_len=256, max_map_len=4)
+                    lane = self.lanes.get(note["model"])
+                    rid = note["id"]
+                except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError):
+                    continue
+                if isinstance(lane, GenLane) and lane.scheduler.cancel(rid):
+                    metrics.GEN_CANCELLED.labels(lane.name).inc()
+                    self._wake.set()
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _commit_loop(self) -> None:
         while True:
@@ -478,7 +534,7 @@ class Worker:
 
     async def on_revoked(self, lane: Lane, revoked: set[TopicPartition]) -> None:
         await self._commit(lane)
-        gone = lane.batcher.remove(lambda p: p.payload.tp in revoked)
+        gone = lane.batcher.remove(lambda p: p.payload.tp in revoked) if isinstance(lane, BatchLane) else []
         lane.tracker.forget(revoked)
         if gone:
             log.info("%s: revoked %d partitions; %d queued requests left for the new owner",
@@ -497,4 +553,4 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         log.info("%s: assigned %d partitions", self._lane.name, len(assigned))
 
 
-__all__ = ["Job", "Lane", "Worker", "WorkerSettings"]
+__all__ = ["Worker", "WorkerSettings"]

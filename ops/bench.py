@@ -7,9 +7,9 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
-from consumers.runners import build_runner, resolve_model
+from consumers.runners import BatchRunner, build_runner, resolve_model
 from consumers.runners.registry import minilm_path
 from ops.load import make_texts, open_loop, percentile
 from ops.procs import scrape, spawn_worker, stop_process, wait_until_served
@@ -44,7 +44,7 @@ def bench_model(
     model: str, batch_sizes: list[int], seconds: float = 5.0, options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Sequences/s of the bare runner at each batch size, on the same 5-120 word texts as the demo."""
-    runner = build_runner(resolve_model(model, options=options))
+    runner = cast(BatchRunner, build_runner(resolve_model(model, options=options)))
     runner.load()
     runner.warmup()
     texts = make_texts(2048, seed=3)

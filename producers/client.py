@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -28,6 +29,7 @@ from redis.exceptions import RedisError
 from producers.replies import ReplyMux
 from topics import (
     DEFAULT_LIMITS,
+    Chunk,
     DeadlineExceeded,
     Limits,
     Priority,
@@ -42,7 +44,7 @@ from topics import (
     now_ms,
     pack,
 )
-from topics.names import redis_reply_channel, request_topic
+from topics.names import CANCEL_CHANNEL, redis_reply_channel, request_topic
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +125,56 @@ class Client:
         request_id: str | None = None,
     ) -> Result:
         """Run ``inputs`` through ``model``; ``deadline_ms`` is relative to now."""
+        request, data, topic = await self._prepare(model, inputs, priority, deadline_ms, params, request_id, False)
+        waiter = self._replies.expect(request.id)
+        try:
+            await self._publish(topic, data)
+            try:
+                result = await asyncio.wait_for(waiter, max(0.0, self._remaining_s(request)))
+            except TimeoutError as exc:
+                raise DeadlineExceeded(f"{model}/{request.id}: no reply by the deadline") from exc
+        finally:
+            self._replies.forget(request.id)
+        return result.raise_for_status()
+
+    async def stream(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        priority: Priority | int = Priority.P1,
+        deadline_ms: int | None = None,
+        params: dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """Generate from ``prompt``, yielding chunks in order, each once, the last one ``final``.
+
+        Leaving the loop early cancels the generation (best effort, over Redis): the worker frees
+        the sequence's slot and KV memory at its next step. Use ``contextlib.aclosing`` to make
+        that happen at once rather than when the generator is collected.
+        A stream that ends badly (deadline, refusal) raises the matching ``KinferError``.
+        """
+        request, data, topic = await self._prepare(model, [prompt], priority, deadline_ms, params, request_id, True)
+        buffer = self._replies.open_stream(request.id)
+        try:
+            await self._publish(topic, data)
+            while True:
+                try:
+                    chunk = await buffer.next(self._remaining_s(request))
+                except TimeoutError as exc:
+                    raise DeadlineExceeded(f"{model}/{request.id}: stream stalled past the deadline") from exc
+                yield chunk.raise_for_status()
+                if chunk.final:
+                    return
+        finally:
+            self._replies.forget(request.id)
+            if not buffer.finished:
+                await self._cancel(model, request.id)
+
+    async def _prepare(
+        self, model: str, inputs: str | Sequence[str], priority: Priority | int, deadline_ms: int | None,
+        params: dict[str, Any] | None, request_id: str | None, stream: bool,
+    ) -> tuple[Request, bytes, str]:
         created = now_ms()
         request = Request(
             id=request_id or new_request_id(),
@@ -134,26 +186,26 @@ class Client:
             inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
             reply=self._route,
             params=params or {},
+            stream=stream,
         )
         data = pack(request)
         decode_request(data, self.settings.limits)  # the worker's own check: fail here, not there
         topic = request_topic(model, request.priority)
         await self._check_topic(topic, model)
+        return request, data, topic
 
-        waiter = self._replies.expect(request.id)
+    async def _publish(self, topic: str, data: bytes) -> None:
         try:
-            try:
-                await self._producer.send_and_wait(topic, data)
-            except KafkaError as exc:
-                raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
-            timeout_s = (request.deadline_ms - now_ms() + self.settings.reply_grace_ms) / 1000.0
-            try:
-                result = await asyncio.wait_for(waiter, max(0.0, timeout_s))
-            except TimeoutError as exc:
-                raise DeadlineExceeded(f"{model}/{request.id}: no reply by the deadline") from exc
-        finally:
-            self._replies.forget(request.id)
-        return result.raise_for_status()
+            await self._producer.send_and_wait(topic, data)
+        except KafkaError as exc:
+            raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
+
+    def _remaining_s(self, request: Request) -> float:
+        return (request.deadline_ms - now_ms() + self.settings.reply_grace_ms) / 1000.0
+
+    async def _cancel(self, model: str, request_id: str) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._redis.publish(CANCEL_CHANNEL, msgpack.packb({"id": request_id, "model": model}))
 
     async def _check_topic(self, topic: str, model: str) -> None:
         if topic in self._known_topics:

@@ -10,7 +10,8 @@ from collections import OrderedDict
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from topics import InvalidRequest, Result, Unavailable, decode_result
+from producers.streams import StreamBuffer
+from topics import Chunk, InvalidRequest, KinferError, Result, Unavailable, decode_reply
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class ReplyMux:
         self._redis = redis
         self._pubsub = redis.pubsub(ignore_subscribe_messages=False)
         self._waiters: dict[str, asyncio.Future[Result]] = {}
+        self._streams: dict[str, StreamBuffer] = {}
         self._reader: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
 
@@ -68,9 +70,21 @@ class ReplyMux:
         self._waiters[request_id] = fut
         return fut
 
+    def open_stream(self, request_id: str) -> StreamBuffer:
+        """Register a streaming request before publishing it."""
+        if self._failure is not None:
+            raise Unavailable(f"reply channel is down: {self._failure}") from self._failure
+        buffer = self._streams[request_id] = StreamBuffer()
+        return buffer
+
     def forget(self, request_id: str) -> None:
         """The caller is done with ``request_id`` (answered or not)."""
         fut = self._waiters.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.duplicates += stream.duplicates
+            self._remember(request_id, answered=stream.finished)
+            return
         self._remember(request_id, answered=fut is None or (fut.done() and not fut.cancelled()))
 
     def _remember(self, request_id: str, answered: bool) -> None:
@@ -89,22 +103,35 @@ class ReplyMux:
             if msg is None or msg["type"] != "message":
                 continue
             try:
-                result = decode_result(msg["data"])
+                reply = decode_reply(msg["data"])
             except InvalidRequest as exc:
                 log.warning("dropping an unreadable reply on %s: %s", self.channel, exc)
                 continue
-            fut = self._waiters.pop(result.id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(result)
-                self._remember(result.id, answered=True)
-                continue
-            answered = self._recent.get(result.id)
-            if answered is None:
-                self.unknown += 1
-            elif answered:
-                self.duplicates += 1
-            else:
-                self.late += 1
+            self._deliver(reply)
+
+    def _deliver(self, reply: Result | Chunk) -> None:
+        stream = self._streams.get(reply.id)
+        if stream is not None:
+            if isinstance(reply, Chunk):
+                stream.push(reply)
+            else:  # refused before it could stream (expired, shed, invalid)
+                try:
+                    reply.raise_for_status()
+                except KinferError as exc:
+                    stream.fail(exc)
+            return
+        fut = self._waiters.pop(reply.id, None)
+        if fut is not None and not fut.done() and isinstance(reply, Result):
+            fut.set_result(reply)
+            self._remember(reply.id, answered=True)
+            return
+        answered = self._recent.get(reply.id)
+        if answered is None:
+            self.unknown += 1
+        elif answered:
+            self.duplicates += 1
+        else:
+            self.late += 1
 
     def _reader_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -121,3 +148,6 @@ class ReplyMux:
         for fut in waiters.values():
             if not fut.done():
                 fut.set_exception(exc)
+        error = exc if isinstance(exc, KinferError) else Unavailable(str(exc))
+        for stream in self._streams.values():
+            stream.fail(error)

@@ -6,6 +6,7 @@
 from topics.envelope import (
     DEFAULT_LIMITS,
     ENVELOPE_VERSION,
+    Chunk,
     Limits,
     ReplyRoute,
     Request,
@@ -13,6 +14,7 @@ from topics.envelope import (
     RouteKind,
     Status,
     Timings,
+    decode_reply,
     decode_request,
     decode_result,
     new_request_id,
@@ -34,6 +36,7 @@ from topics.names import Priority
 __all__ = [
     "DEFAULT_LIMITS",
     "ENVELOPE_VERSION",
+    "Chunk",
     "DeadlineExceeded",
     "InvalidRequest",
     "KinferError",
@@ -50,6 +53,7 @@ __all__ = [
     "Timings",
     "Unavailable",
     "UnknownModel",
+    "decode_reply",
     "decode_request",
     "decode_result",
     "new_request_id",

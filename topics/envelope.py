@@ -175,6 +175,47 @@ _STATUS_ERRORS: dict[Status, type[KinferError]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One piece of a streamed result (generation): sent in order of ``seq``, the last one ``final``."""
+
+    id: str  # the request's id
+    model: str
+    seq: int  # 0, 1, 2, ... per request; a client reorders by it and drops repeats
+    text: str = ""  # text that became final with this chunk
+    tokens: list[int] = field(default_factory=list)  # token ids in this chunk
+    final: bool = False  # the last chunk of the stream
+    status: Status | None = None  # on the final chunk: how the stream ended
+    finish: str | None = None  # on the final chunk: eos, length, stop, deadline, cancelled, ...
+    prompt_tokens: int = 0  # usage, on the final chunk
+    completion_tokens: int = 0
+    error: str | None = None
+    worker: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": ENVELOPE_VERSION,
+            "t": "chunk",
+            "id": self.id,
+            "model": self.model,
+            "seq": self.seq,
+            "text": self.text,
+            "tokens": self.tokens,
+            "final": self.final,
+            "status": self.status.value if self.status is not None else None,
+            "finish": self.finish,
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "error": self.error,
+            "worker": self.worker,
+        }
+
+    def raise_for_status(self) -> Chunk:
+        if self.status is None or self.status is Status.OK:
+            return self
+        error: type[KinferError] = _STATUS_ERRORS[self.status]
+        raise error(f"{self.model}/{self.id}: {self.status.value}: {self.error or self.finish or 'no detail'}")
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -187,7 +228,7 @@ def new_request_id() -> str:
 # Encoding and decoding
 
 
-def pack(message: Request | Result) -> bytes:
+def pack(message: Request | Result | Chunk) -> bytes:
     # Floats go out as float32: embeddings need no more, and they halve in size.
     data: bytes = msgpack.packb(message.to_wire(), use_bin_type=True, use_single_float=True)
     return data
@@ -318,7 +359,11 @@ RESULT_LIMITS = Limits(max_message_bytes=64 * 1_048_576, max_text_chars=1_048_57
 
 
 def decode_result(data: bytes, limits: Limits = RESULT_LIMITS) -> Result:
-    obj = _header(_unpack(data, limits, max_array=1_048_576), "res")
+    return _result_from(_unpack(data, limits, max_array=1_048_576))
+
+
+def _result_from(obj: Any) -> Result:
+    obj = _header(obj, "res")
     status_text = _field(obj, "status", str)
     try:
         status = Status(status_text)
@@ -340,3 +385,33 @@ def decode_result(data: bytes, limits: Limits = RESULT_LIMITS) -> Result:
         timings=timings,
         worker=str(obj.get("worker", "")),
     )
+
+
+def decode_chunk(obj: dict[str, Any]) -> Chunk:
+    status = obj.get("status")
+    usage = obj.get("usage") or {}
+    try:
+        return Chunk(
+            id=_field(obj, "id", str),
+            model=_field(obj, "model", str),
+            seq=_field(obj, "seq", int),
+            text=str(obj.get("text") or ""),
+            tokens=[int(t) for t in obj.get("tokens") or []],
+            final=bool(obj.get("final", False)),
+            status=Status(status) if status is not None else None,
+            finish=obj.get("finish"),
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            error=obj.get("error"),
+            worker=str(obj.get("worker", "")),
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"malformed stream chunk: {exc}", "chunk") from exc
+
+
+def decode_reply(data: bytes, limits: Limits = RESULT_LIMITS) -> Result | Chunk:
+    """A reply is a result or a stream chunk; tell them apart by ``t``."""
+    obj = _unpack(data, limits, max_array=1_048_576)
+    if isinstance(obj, dict) and obj.get("t") == "chunk":
+        return decode_chunk(_header(obj, "chunk"))
+    return _result_from(obj)

