@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class Finish(enum.StrEnum):
@@ -34,6 +35,9 @@ class Finish(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class GenPolicy:
+    # "continuous": join and leave at every step. "static": the baseline that batches until every
+    # sequence in the batch has finished, admitting newcomers only into an empty batch.
+    mode: Literal["continuous", "static"] = "continuous"
     max_running: int = 16  # sequences decoding together
     kv_budget_tokens: int = 65_536  # KV cache tokens reservable across the running batch
     max_prefill_tokens: int = 4_096  # prompt tokens admitted in one step (bounds that step's time)
@@ -45,6 +49,8 @@ class GenPolicy:
                 raise ValueError(f"GenPolicy.{name} must be >= 1, got {getattr(self, name)}")
         if self.aging_ms <= 0:
             raise ValueError(f"aging_ms must be > 0, got {self.aging_ms}")
+        if self.mode not in ("continuous", "static"):
+            raise ValueError(f"mode must be 'continuous' or 'static', got {self.mode!r}")
 
 
 @dataclass(slots=True)
@@ -141,6 +147,8 @@ class ContinuousScheduler:
         order = sorted(
             self._waiting.values(), key=lambda s: (max(0, s.priority - int((now - s.arrival) / aging_s)), s.seq)
         )
+        if self.policy.mode == "static" and self._running:
+            order = []  # the static baseline: nobody joins a batch that is still running
         for s in order:
             room = len(self._running) + len(admit) < self.policy.max_running
             fits = reserved + s.reserved <= self.policy.kv_budget_tokens

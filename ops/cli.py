@@ -138,10 +138,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ops.bench import bench_batching, bench_model
+    from ops.bench import bench_batching, bench_generation, bench_model
 
     if args.bench == "model":
         report = bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds)
+    elif args.bench == "generation":
+        report = bench_generation(requests=args.requests, rate=args.rate, max_running=args.max_running)
     else:
         report = bench_batching(
             seconds_per_step=args.seconds_per_step, steps=args.steps, policies=args.policy, model=args.model,
@@ -233,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sim: a simulated accelerator (15 ms a batch + 0.5 ms an input)")
     bb.add_argument("--max-rps", type=float, default=256.0, help="upper end of the rate search")
     bb.set_defaults(func=cmd_bench)
+    bg = bs.add_parser("generation", help="continuous vs static batching on a mixed generation workload")
+    bg.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
+    bg.add_argument("--requests", type=int, default=96)
+    bg.add_argument("--rate", type=float, default=40.0, help="arrivals per second (Poisson; above capacity)")
+    bg.add_argument("--max-running", type=int, default=16)
+    bg.set_defaults(func=cmd_bench)
     return p
 
 

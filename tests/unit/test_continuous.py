@@ -43,6 +43,19 @@ def test_a_short_request_joins_mid_flight_and_leaves_first() -> None:
     assert s.steps == 100  # one step each: the short one never added a step of its own
 
 
+def test_static_baseline_admits_only_into_an_empty_batch() -> None:
+    s = ContinuousScheduler(GenPolicy(mode="static", max_running=4))
+    s.add(seq("long", new=100))
+    lengths = {"long": 100, "short": 3}
+    run_step(s, 0, lengths)
+    s.add(seq("short", new=3))
+    finished_at = {}
+    for t in range(1, 200):
+        for sid in run_step(s, t, lengths):
+            finished_at[sid] = t
+    assert finished_at == {"long": 99, "short": 102}  # the short one waited for the long one
+
+
 def test_kv_budget_queues_newcomers_and_never_preempts() -> None:
     s = ContinuousScheduler(GenPolicy(max_running=8, kv_budget_tokens=100))
     s.add(seq("a", prompt=40, new=20))  # reserves 60
