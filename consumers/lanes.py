@@ -86,6 +86,7 @@ class GenLane(Lane):
     seqs: dict[str, int] = field(default_factory=dict)  # streaming: next chunk number
     inputs: dict[str, GenInput] = field(default_factory=dict)
     worker_id: str = ""
+    spec_seen: tuple[int, int] = (0, 0)  # speculation counters already exported (proposed, accepted)
 
     @property
     def model_runner(self) -> Runner:

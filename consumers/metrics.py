@@ -47,3 +47,9 @@ KV_PADDING = Histogram(
     "kinfer_kv_padding_ratio", "Share of the running batch's KV cache that is left padding (fragmentation)",
     ["model"], buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
 )
+SPEC_PROPOSED = Counter(
+    "kinfer_spec_proposed_tokens_total", "Speculative draft tokens verified (prompt lookup)", ["model"]
+)
+SPEC_ACCEPTED = Counter(
+    "kinfer_spec_accepted_tokens_total", "Draft tokens the model agreed with; accepted/proposed is the rate", ["model"]
+)

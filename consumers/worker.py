@@ -391,6 +391,9 @@ class Worker:
         took = time.monotonic() - started
         self._fair.charge(lane.name, took)
         metrics.GEN_STEP.labels(lane.name).observe(took)
+        metrics.SPEC_PROPOSED.labels(lane.name).inc(lane.runner.spec_proposed - lane.spec_seen[0])
+        metrics.SPEC_ACCEPTED.labels(lane.name).inc(lane.runner.spec_accepted - lane.spec_seen[1])
+        lane.spec_seen = (lane.runner.spec_proposed, lane.runner.spec_accepted)
         metrics.GEN_TOKENS.labels(lane.name).inc(len(events))
         batch = lane.runner.batch
         if batch is not None and batch.cache_tokens:

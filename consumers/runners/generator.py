@@ -75,11 +75,15 @@ class TokenEvent:
 @dataclass
 class _Row:
     id: str
-    prompt_tokens: int
+    prompt: list[int]  # prompt token ids (speculation looks for n-grams here)
     sampling: Sampling
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     emitted: int = 0  # characters of the decoded text already sent
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
 
 
 @dataclass
@@ -147,11 +151,17 @@ class GeneratorRunner:
     family = "generator"
 
     def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                 max_prompt_tokens: int = 1024) -> None:
+                 max_prompt_tokens: int = 1024, speculate: int = 0, ngram: int = 3) -> None:
         self.path = str(path)
         self.device = device
         self.dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
         self.max_prompt_tokens = max_prompt_tokens
+        # Prompt-lookup speculative decoding: up to ``speculate`` draft tokens copied from an earlier
+        # occurrence of the last ``ngram`` tokens, verified in one forward pass. 0 turns it off.
+        self.speculate = int(speculate)
+        self.ngram = int(ngram)
+        self.spec_proposed = 0  # draft tokens offered for verification
+        self.spec_accepted = 0  # of which the model agreed with
         self.tokenizer: Any = None
         self.model: Any = None
         self.eos: set[int] = set()
@@ -194,7 +204,8 @@ class GeneratorRunner:
             self._rows.pop(i, None)
         events: list[TokenEvent] = []
         if self.batch is not None:
-            events += self._decode(self.batch)
+            drafts = self._propose(self.batch) if self.speculate and not admit else []
+            events += self._verify(self.batch, drafts) if drafts else self._decode(self.batch)
         if admit:
             new = self._prefill(admit)
             events += self._sample(new, self._last_logits)
@@ -219,7 +230,7 @@ class GeneratorRunner:
                          **{self._cache_kw: cache})
         self._last_logits = out.logits[:, -1, :]
         for a, e in zip(admit, encoded, strict=True):
-            self._rows[a.id] = _Row(a.id, len(e), a.sampling, _generator(a.id, a.sampling))
+            self._rows[a.id] = _Row(a.id, e, a.sampling, _generator(a.id, a.sampling))
         lengths = mask.sum(-1)
         return GenBatch([a.id for a in admit], cache, mask, lengths.clone(), lengths.clone())
 
@@ -232,6 +243,58 @@ class GeneratorRunner:
         batch.attention_mask = mask
         batch.positions = batch.positions + 1
         return self._sample(batch, out.logits[:, -1, :])
+
+    def _propose(self, batch: GenBatch) -> list[int]:
+        """Draft tokens for a lone greedy sequence: what followed the last n-gram before.
+
+        Speculation pays when the batch is nearly empty (the device has compute to spare, as at
+        low load) and outputs repeat their input (code edits, extraction, summaries that quote).
+        With several rows, the batch itself already fills the device, so it is not tried.
+        """
+        if len(batch) != 1:
+            return []
+        row = self._rows[batch.ids[0]]
+        left = row.sampling.max_new_tokens - len(row.tokens)
+        if row.sampling.temperature != 0 or left < 2:
+            return []
+        history = row.prompt + row.tokens
+        for n in range(min(self.ngram, len(history) - 1), 0, -1):
+            tail = history[-n:]
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start : start + n] == tail:
+                    drafts = history[start + n : start + n + min(self.speculate, left - 1)]
+                    if drafts:
+                        return drafts
+        return []
+
+    def _verify(self, batch: GenBatch, drafts: list[int]) -> list[TokenEvent]:
+        """Feed the pending token and the drafts at once; keep the drafts the model agrees with."""
+        fed = torch.tensor([[int(batch.next_ids[0]), *drafts]], device=self.device)
+        length = batch.attention_mask.shape[1]
+        mask = torch.nn.functional.pad(batch.attention_mask, (0, fed.shape[1]), value=1)
+        positions = batch.positions[:, None] + torch.arange(fed.shape[1], device=self.device)
+        out = self.model(input_ids=fed, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self._cache_kw: batch.cache})
+        greedy = out.logits[0].argmax(-1).tolist()  # greedy[j]: the model's token after fed[j]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        self.spec_proposed += len(drafts)
+        self.spec_accepted += accepted
+        keep = length + 1 + accepted  # the pending token and the accepted drafts stay in the cache
+        for layer in batch.cache.layers:  # rejected drafts leave the cache
+            layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
+        batch.attention_mask = mask[:, :keep]
+        batch.positions = batch.positions + 1 + accepted
+        row = self._rows[batch.ids[0]]
+        events = []
+        for token in [*drafts[:accepted], greedy[accepted]]:
+            row.tokens.append(token)
+            events.append(self._event(row, token))
+            if events[-1].finish is not None:
+                break
+        batch.next_ids = torch.tensor([events[-1].token], device=self.device)
+        return events
 
     def _sample(self, batch: GenBatch, logits: torch.Tensor) -> list[TokenEvent]:
         events, picked = [], []

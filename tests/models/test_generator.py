@@ -130,3 +130,25 @@ def test_sampling_is_seeded_per_request_and_stops_on_stop_sequences(lm_dir: Path
         stopped += runner.step([], [])
     assert stopped[-1].finish == "stop"
     assert stop not in "".join(e.text for e in stopped)
+
+
+def test_speculative_decoding_changes_nothing_but_the_number_of_steps(lm_dir: Path) -> None:
+    runner = GeneratorRunner(lm_dir, dtype=torch.float64, speculate=4)
+    runner.load()
+    prompt = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
+    n = 24
+    # The model's own greedy continuation, fed back as the prompt, makes drafts it agrees with.
+    plain = reference(runner, prompt, n)
+    echo = prompt + " " + runner.tokenizer.decode(plain) + " " + prompt
+    steps_taken = []
+    for text in (prompt, echo):
+        events = runner.step([GenInput("s", text, Sampling(max_new_tokens=n))], [])
+        steps = 1
+        while runner.batch is not None:
+            events += runner.step([], [])
+            steps += 1
+        assert [e.token for e in events] == reference(runner, text, n)  # exactly greedy decoding
+        assert events[-1].finish == "length" and len(events) == n
+        steps_taken.append(steps)
+    assert 0 < runner.spec_accepted <= runner.spec_proposed
+    assert min(steps_taken) < n  # accepted drafts: several tokens from one forward pass
