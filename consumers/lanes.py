@@ -86,6 +86,7 @@ class GenLane(Lane):
     seqs: dict[str, int] = field(default_factory=dict)  # streaming: next chunk number
     inputs: dict[str, GenInput] = field(default_factory=dict)
     worker_id: str = ""
+    drops: list[str] = field(default_factory=list)  # evicted, still to be removed from the runner's batch
     spec_seen: tuple[int, int] = (0, 0)  # speculation counters already exported (proposed, accepted)
 
     @property
@@ -126,10 +127,16 @@ class GenLane(Lane):
         """Who runs this step, and the final replies of those leaving before it."""
         plan = self.scheduler.schedule(now)
         replies = [self._ended(s.id, why) for s, why in plan.evict]
+        self.drops += [s.id for s, _ in plan.evict]  # until the runner has dropped them
         return plan, replies
 
+    def runnable(self, plan: StepPlan) -> bool:
+        """Whether the runner has anything to do: compute, or evicted rows to let go of."""
+        return bool(plan.admit or plan.decode or self.drops)
+
     def step_inputs(self, plan: StepPlan) -> tuple[list[GenInput], list[str]]:
-        return [self.inputs.pop(s.id) for s in plan.admit], [s.id for s, _ in plan.evict]
+        drops, self.drops = self.drops, []
+        return [self.inputs.pop(s.id) for s in plan.admit], drops
 
     def apply(self, events: list[TokenEvent]) -> tuple[list[tuple[Job, Result | Chunk]], list[Job]]:
         """Turn a step's tokens into replies; returns them and the jobs that finished."""

@@ -275,6 +275,10 @@ class Worker:
                 await self._reject(lane, tp, record.offset, value, exc)
             return
         assert isinstance(lane, BatchLane)
+        if request.stream:
+            refusal = InvalidRequest(f"model {lane.name!r} ({lane.spec.family}) does not stream", "stream")
+            await self._reject(lane, tp, record.offset, value, refusal)
+            return
         lane.batcher.add(
             job,
             priority=int(request.priority),
@@ -354,7 +358,7 @@ class Worker:
                 if ended:
                     self._reply(lane, ended)
                     self._gen_gauges(lane)
-                if plan.admit or plan.decode:
+                if lane.runnable(plan):
                     self._computing = self._spawn(self._generate(lane, plan))
                     return
             else:

@@ -131,6 +131,25 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from producers.tenants import Tenants, hash_key
+
+    if args.hash_key:
+        print(hash_key(args.hash_key))
+        return 0
+    import uvicorn
+
+    from producers.gateway import GatewaySettings, create_app
+
+    bootstrap, redis_url = resolve_endpoints()
+    tenants = Tenants.from_file(args.tenants) if args.tenants else None
+    if tenants is None:
+        logging.getLogger(__name__).warning("no --tenants file: the gateway accepts every caller")
+    app = create_app(GatewaySettings(bootstrap, redis_url, tenants))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ops.demo import run_demo
 
@@ -210,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tenant", default="cli")
     i.add_argument("text", nargs="+")
     i.set_defaults(func=cmd_infer)
+
+    g = sub.add_parser("gateway", help="the HTTP / SSE / WebSocket gateway (OpenAI-compatible endpoints too)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--tenants", help="JSON file of tenants with hashed API keys (see producers/tenants.py)")
+    g.add_argument("--hash-key", metavar="KEY", help="print the SHA-256 of an API key for the tenants file, and exit")
+    g.set_defaults(func=cmd_gateway)
 
     d = sub.add_parser("demo", help="start everything, send a steady stream of requests, report latency, stop")
     d.add_argument("--requests", type=int, default=300)

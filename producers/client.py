@@ -44,7 +44,7 @@ from topics import (
     now_ms,
     pack,
 )
-from topics.names import CANCEL_CHANNEL, redis_reply_channel, request_topic
+from topics.names import CANCEL_CHANNEL, parse_request_topic, redis_reply_channel, request_topic
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +123,12 @@ class Client:
         deadline_ms: int | None = None,
         params: dict[str, Any] | None = None,
         request_id: str | None = None,
+        tenant: str | None = None,
     ) -> Result:
         """Run ``inputs`` through ``model``; ``deadline_ms`` is relative to now."""
-        request, data, topic = await self._prepare(model, inputs, priority, deadline_ms, params, request_id, False)
+        request, data, topic = await self._prepare(
+            model, inputs, priority, deadline_ms, params, request_id, False, tenant
+        )
         waiter = self._replies.expect(request.id)
         try:
             await self._publish(topic, data)
@@ -146,6 +149,7 @@ class Client:
         deadline_ms: int | None = None,
         params: dict[str, Any] | None = None,
         request_id: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Generate from ``prompt``, yielding chunks in order, each once, the last one ``final``.
 
@@ -154,7 +158,9 @@ class Client:
         that happen at once rather than when the generator is collected.
         A stream that ends badly (deadline, refusal) raises the matching ``KinferError``.
         """
-        request, data, topic = await self._prepare(model, [prompt], priority, deadline_ms, params, request_id, True)
+        request, data, topic = await self._prepare(
+            model, [prompt], priority, deadline_ms, params, request_id, True, tenant
+        )
         buffer = self._replies.open_stream(request.id)
         try:
             await self._publish(topic, data)
@@ -173,14 +179,14 @@ class Client:
 
     async def _prepare(
         self, model: str, inputs: str | Sequence[str], priority: Priority | int, deadline_ms: int | None,
-        params: dict[str, Any] | None, request_id: str | None, stream: bool,
+        params: dict[str, Any] | None, request_id: str | None, stream: bool, tenant: str | None = None,
     ) -> tuple[Request, bytes, str]:
         created = now_ms()
         request = Request(
             id=request_id or new_request_id(),
             model=model,
             priority=Priority(priority),
-            tenant=self.settings.tenant,
+            tenant=tenant or self.settings.tenant,
             created_ms=created,
             deadline_ms=created + (deadline_ms or self.settings.default_deadline_ms),
             inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
@@ -207,13 +213,38 @@ class Client:
         with contextlib.suppress(RedisError, OSError):
             await self._redis.publish(CANCEL_CHANNEL, msgpack.packb({"id": request_id, "model": model}))
 
+    async def models(self) -> list[str]:
+        """Models with request topics on the broker (what a worker could serve)."""
+        try:
+            cluster = await self._producer.client.fetch_all_metadata()
+        except KafkaError as exc:
+            raise Unavailable(f"Kafka metadata unavailable: {exc}") from exc
+        found = set()
+        for topic in cluster.topics():
+            with contextlib.suppress(ValueError):
+                found.add(parse_request_topic(topic)[0])
+        return sorted(found)
+
+    async def ping(self) -> dict[str, bool]:
+        """Whether Kafka and Redis answer now (for readiness probes)."""
+        status = {"kafka": True, "redis": True}
+        try:
+            await asyncio.wait_for(self._producer.client.fetch_all_metadata(), 2.0)
+        except (KafkaError, TimeoutError):
+            status["kafka"] = False
+        try:
+            await asyncio.wait_for(self._redis.ping(), 2.0)
+        except (RedisError, OSError, TimeoutError):
+            status["redis"] = False
+        return status
+
     async def _check_topic(self, topic: str, model: str) -> None:
         if topic in self._known_topics:
             return
-        try:
-            partitions = await asyncio.wait_for(self._producer.partitions_for(topic), 5.0)
+        try:  # one metadata round trip; the broker never creates request topics by itself
+            cluster = await asyncio.wait_for(self._producer.client.fetch_all_metadata(), 5.0)
         except (KafkaError, TimeoutError) as exc:
-            raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model") from exc
-        if not partitions:
+            raise Unavailable(f"Kafka metadata unavailable: {exc}") from exc
+        if topic not in cluster.topics():
             raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
         self._known_topics.add(topic)

@@ -229,8 +229,17 @@ def new_request_id() -> str:
 
 
 def pack(message: Request | Result | Chunk) -> bytes:
-    # Floats go out as float32: embeddings need no more, and they halve in size.
-    data: bytes = msgpack.packb(message.to_wire(), use_bin_type=True, use_single_float=True)
+    """Encode for the wire; raises ``InvalidRequest`` for what msgpack cannot carry.
+
+    Results and chunks send floats as float32 (embeddings need no more, and halve in size);
+    requests keep float64, so a parameter is never rounded or overflowed on its way.
+    """
+    try:
+        data: bytes = msgpack.packb(
+            message.to_wire(), use_bin_type=True, use_single_float=not isinstance(message, Request)
+        )
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a lone UTF-16 surrogate in a string
+        raise InvalidRequest(f"cannot encode the message: {exc}", "message") from exc
     return data
 
 

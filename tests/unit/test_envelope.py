@@ -155,3 +155,10 @@ def test_error_flags() -> None:
     assert Shed.shed and Shed.retriable
     assert not InvalidRequest.retriable
     assert DeadlineExceeded.retriable and not DeadlineExceeded.shed
+
+
+def test_requests_keep_double_precision_and_unencodable_text_is_invalid() -> None:
+    req = make_request(params={"big": 4.5e300, "tiny": 2.2250738585072014e-308})
+    assert decode_request(pack(req)).params == {"big": 4.5e300, "tiny": 2.2250738585072014e-308}
+    with pytest.raises(InvalidRequest, match="cannot encode"):
+        pack(make_request(inputs=("\ud836",)))  # a lone surrogate is not UTF-8

@@ -1,0 +1,178 @@
+"""The gateway with real clients — httpx, a WebSocket client, the official openai package — against
+real workers on the real broker and Redis; and Schemathesis fuzzing its OpenAPI document."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+import websockets
+
+from consumers.runners.registry import minilm_path
+from consumers.runners.tinylm import build_tiny_lm
+from ops.procs import wait_until_served
+from ops.stack import StackInfo, free_port
+from producers import Client
+from producers.gateway import GatewaySettings, create_app
+from producers.tenants import Tenants, hash_key
+from tests.integration.conftest import WorkerProcess
+from topics.admin import ensure_topics, model_topic_specs
+
+pytestmark = pytest.mark.integration
+
+KEY, SLOW_KEY = "alpha-key", "slow-key"
+
+
+class Served:
+    def __init__(self, url: str, noop: str, lm: str, emb: str) -> None:
+        self.url, self.noop, self.lm, self.emb = url, noop, lm, emb
+
+
+@pytest.fixture(scope="module")
+def workers(stack: StackInfo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    base = f"gw-{uuid.uuid4().hex[:6]}"
+    noop, lm, emb = f"{base}-noop", f"{base}-lm", f"{base}-emb"
+    asyncio.run(ensure_topics(stack.bootstrap, [s for m in (noop, lm, emb) for s in model_topic_specs(m, 2)]))
+    lm_dir = build_tiny_lm(tmp_path_factory.mktemp("lm"), eos=False)
+    logs = tmp_path_factory.mktemp("gw-logs")
+    procs = [
+        WorkerProcess(stack, noop, logs, "--family", "noop"),
+        WorkerProcess(stack, lm, logs, "--family", "generator", "--path", str(lm_dir)),
+        WorkerProcess(stack, emb, logs, "--family", "embedding", "--path", str(minilm_path())),
+    ]
+    yield noop, lm, emb
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+async def gateway(stack: StackInfo, workers: tuple[str, str, str], tmp_path_factory: pytest.TempPathFactory
+                  ) -> AsyncIterator[Served]:
+    noop, lm, emb = workers
+    async with Client(stack.bootstrap, stack.redis_url) as c:
+        for m in workers:
+            await wait_until_served(c, m)
+    path = tmp_path_factory.mktemp("tenants") / "tenants.json"
+    path.write_text(json.dumps({"tenants": [
+        {"name": "alpha", "key_sha256": hash_key(KEY), "rate_per_s": 1000, "burst": 1000, "max_priority": 0},
+        {"name": "slow", "key_sha256": hash_key(SLOW_KEY), "rate_per_s": 0.2, "burst": 2, "max_priority": 2},
+    ]}))
+    port = free_port()
+    app = create_app(GatewaySettings(stack.bootstrap, stack.redis_url, Tenants.from_file(path)))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
+        await asyncio.sleep(0.05)
+    yield Served(f"http://127.0.0.1:{port}", noop, lm, emb)
+    server.should_exit = True
+    await task
+
+
+def auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_infer_models_and_probes(gateway: Served) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        r = await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": ["abc", "hello"]}, headers=auth())
+        assert r.status_code == 200, r.text
+        assert r.json()["outputs"] == [3, 5] and r.json()["status"] == "ok"
+        models = (await http.get("/v1/models", headers=auth())).json()["data"]
+        assert {gateway.noop, gateway.lm, gateway.emb} <= {m["id"] for m in models}
+        assert (await http.get("/healthz")).status_code == 200
+        ready = await http.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["kafka"] and ready.json()["redis"]
+        assert "kinfer_gateway_requests_total" in (await http.get("/metrics")).text
+
+
+async def test_errors_map_to_status_codes(gateway: Served) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        assert (await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": "x"})).status_code == 401
+        r = await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": "x"}, headers=auth("nope"))
+        assert r.status_code == 401
+        r = await http.post("/v1/models/no-such-model/infer", json={"inputs": "x"}, headers=auth())
+        assert r.status_code == 404 and r.json()["error"]["field"] == "model"
+        r = await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": []}, headers=auth())
+        assert r.status_code == 400 and r.json()["error"]["field"] == "inputs"
+        r = await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": "x", "priority": 7}, headers=auth())
+        assert r.status_code == 422 and "priority" in r.text
+        r = await http.post("/v1/completions", json={"model": gateway.emb, "prompt": "x"}, headers=auth())
+        assert r.status_code == 400  # an embedding model cannot complete text
+
+
+async def test_rate_limit_answers_429_with_retry_after(gateway: Served) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        codes = []
+        for _ in range(4):
+            r = await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": "x"}, headers=auth(SLOW_KEY))
+            codes.append(r.status_code)
+        assert codes[:2] == [200, 200] and codes[2:] == [429, 429]
+        assert int(r.headers["Retry-After"]) >= 1
+
+
+async def test_sse_stream_and_websocket(gateway: Served) -> None:
+    body = {"prompt": "tell me a story", "params": {"max_new_tokens": 6}}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http, http.stream(
+        "POST", f"/v1/models/{gateway.lm}/stream", json=body, headers=auth()
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["seq"] for c in chunks] == list(range(6)) and chunks[-1]["final"]
+
+    ws_url = gateway.url.replace("http", "ws") + f"/v1/models/{gateway.lm}/ws"
+    async with websockets.connect(ws_url, additional_headers=auth()) as ws:
+        await ws.send(json.dumps({"id": "w1", "stream": True, **body}))
+        got = []
+        while not got or not got[-1].get("final"):
+            got.append(json.loads(await ws.recv()))
+        assert [g["seq"] for g in got] == list(range(6)) and {g["id"] for g in got} == {"w1"}
+        await ws.send(json.dumps({"id": "w2", "inputs": "abcd"}))
+        reply = json.loads(await ws.recv())
+        assert reply["id"] == "w2" and reply["status"] == "ok"
+        await ws.send(json.dumps({"id": "w3", "inputs": []}))
+        assert json.loads(await ws.recv())["code"] == 400
+    streamed = "".join(c["text"] for c in chunks)
+    assert streamed == "".join(g["text"] for g in got)  # greedy: the same text both ways
+
+
+async def test_openai_package_embeddings_and_completions(gateway: Served) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as oai:
+        emb = await oai.embeddings.create(model=gateway.emb, input=["a cat", "a dog"])
+        vectors = np.array([d.embedding for d in emb.data])
+        assert vectors.shape == (2, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+        done = await oai.completions.create(model=gateway.lm, prompt="once upon", max_tokens=5, temperature=0)
+        assert done.choices[0].finish_reason == "length" and done.usage is not None
+        assert done.usage.completion_tokens == 5
+        parts = [c.choices[0].text async for c in await oai.completions.create(
+            model=gateway.lm, prompt="once upon", max_tokens=5, temperature=0, stream=True)]
+        assert "".join(parts) == done.choices[0].text
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="bad", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            await bad.embeddings.create(model=gateway.emb, input="x")
+
+
+async def test_schemathesis_finds_no_server_error(gateway: Served, tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "schemathesis.cli", "run", f"{gateway.url}/openapi.json",
+        "--checks", "not_a_server_error", "--max-examples", "25", "-H", f"Authorization: Bearer {KEY}",
+        "--exclude-path-regex", "/metrics", "--request-timeout", "20", "--no-color",
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"}
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 240)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
