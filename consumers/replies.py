@@ -29,23 +29,30 @@ class ReplySink:
         self._redis = redis
 
     async def publish(self, replies: Sequence[tuple[ReplyRoute, Result | Chunk]]) -> None:
-        """Publish every reply; raises ``Unavailable`` if any transport failed (caller retries)."""
-        to_redis = [(r, res) for r, res in replies if r.kind is RouteKind.REDIS]
-        to_kafka = [(r, res) for r, res in replies if r.kind is RouteKind.KAFKA]
-        try:
-            if to_redis:
+        """Publish every reply; raises ``Unavailable`` if any could not go out (the caller retries).
+
+        A Redis reply whose route names a fallback topic goes to Kafka when Redis is unreachable:
+        slower, but nothing is lost while Redis is down.
+        """
+        to_redis = [(r, m) for r, m in replies if r.kind is RouteKind.REDIS]
+        to_kafka = [(r.name, m) for r, m in replies if r.kind is RouteKind.KAFKA]
+        if to_redis:
+            try:
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    for route, result in to_redis:
-                        pipe.publish(route.name, pack(result))
+                    for route, message in to_redis:
+                        pipe.publish(route.name, pack(message))
                     await pipe.execute()
-            if to_kafka:
-                futures = [
-                    await self._producer.send(route.name, pack(result), key=result.id.encode())
-                    for route, result in to_kafka
-                ]
+            except (RedisError, OSError) as exc:
+                stranded = [(r, m) for r, m in to_redis if r.fallback_topic is None]
+                if stranded:
+                    raise Unavailable(f"Redis unreachable for {len(stranded)} replies: {exc}") from exc
+                to_kafka += [(r.fallback_topic, m) for r, m in to_redis if r.fallback_topic is not None]
+        if to_kafka:
+            try:
+                futures = [await self._producer.send(topic, pack(m), key=m.id.encode()) for topic, m in to_kafka]
                 await asyncio.gather(*futures)
-        except (RedisError, KafkaError, OSError) as exc:
-            raise Unavailable(f"publishing {len(replies)} replies failed: {exc}") from exc
+            except KafkaError as exc:
+                raise Unavailable(f"publishing {len(to_kafka)} replies to Kafka failed: {exc}") from exc
 
     async def dead_letter(self, value: bytes, reason: str, field: str | None, source: str) -> None:
         """Send a record that failed validation to the DLQ, with why and where it came from."""

@@ -17,7 +17,7 @@ from ops.load import make_texts, open_loop, percentile
 from ops.procs import scrape, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
-from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 SLA_P95_MS = 150.0
 SLA_P99_MS = 250.0
@@ -104,7 +104,7 @@ def _bench_policy(
     info: StackInfo, policy: str, model_flags: list[str], seconds_per_step: float, steps: int, lo: float, hi: float
 ) -> dict[str, Any]:
     served = f"bench-{policy}"
-    asyncio.run(ensure_topics(info.bootstrap, [dlq_topic_spec(), *model_topic_specs(served, 3)]))
+    asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(served, 3)]))
     port = free_port()
     log_path = os.path.join(info.home, f"bench-{policy}.log")
     proc = spawn_worker(

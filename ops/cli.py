@@ -53,10 +53,10 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 
 def cmd_topics(args: argparse.Namespace) -> int:
-    from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+    from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
     bootstrap, _ = resolve_endpoints()
-    specs = [dlq_topic_spec()]
+    specs = [*shared_topic_specs()]
     for model in args.model:
         specs += model_topic_specs(model, args.partitions)
     for name, count in sorted(asyncio.run(ensure_topics(bootstrap, specs)).items()):
@@ -82,7 +82,7 @@ def policy_from_args(args: argparse.Namespace) -> Any:
 def cmd_worker(args: argparse.Namespace) -> int:
     from consumers.runners import resolve_model
     from consumers.worker import Worker, WorkerSettings
-    from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+    from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
     bootstrap, redis_url = resolve_endpoints()
     specs = tuple(resolve_model(name, args.family, args.path, _options(args.option)) for name in args.model)
@@ -102,7 +102,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         if args.create_topics:
-            topics = [dlq_topic_spec()]
+            topics = [*shared_topic_specs()]
             for spec in specs:
                 topics += model_topic_specs(spec.name, args.partitions)
             await ensure_topics(bootstrap, topics)

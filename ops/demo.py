@@ -10,7 +10,7 @@ from ops.load import LoadReport, make_texts, open_loop
 from ops.procs import spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo
 from producers import Client
-from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 
 def print_report(report: LoadReport) -> None:
@@ -46,7 +46,7 @@ def run_demo(requests: int, rate: float, model: str, partitions: int) -> int:
     print(f"{'started' if started else 'reusing'} Kafka at {info.bootstrap}, Redis at {info.redis_url}")
     worker = None
     try:
-        asyncio.run(ensure_topics(info.bootstrap, [dlq_topic_spec(), *model_topic_specs(model, partitions)]))
+        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, partitions)]))
         log_path = os.path.join(info.home, f"demo-worker-{model}.log")
         worker = spawn_worker(info, model, log_path=log_path)
         print(f"worker for {model} starting (log: {log_path})")

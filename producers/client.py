@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -33,10 +34,8 @@ from topics import (
     DeadlineExceeded,
     Limits,
     Priority,
-    ReplyRoute,
     Request,
     Result,
-    RouteKind,
     Unavailable,
     UnknownModel,
     decode_request,
@@ -44,7 +43,9 @@ from topics import (
     now_ms,
     pack,
 )
-from topics.names import CANCEL_CHANNEL, parse_request_topic, redis_reply_channel, request_topic
+from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, parse_request_topic, redis_reply_channel, request_topic
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,7 @@ class ClientSettings:
     default_deadline_ms: int = 30_000  # relative deadline when a call gives none
     reply_grace_ms: int = 250  # how long past the deadline to wait for an ``expired`` reply
     linger_ms: int = 1  # producer batching delay: trades a millisecond for fewer broker requests
+    reply_topic: str | None = DEFAULT_REPLY_TOPIC  # durable fallback when Redis is down (None: Redis only)
     limits: Limits = DEFAULT_LIMITS
 
     def __repr__(self) -> str:  # never print credentials embedded in a URL
@@ -66,7 +68,6 @@ class Client:
     def __init__(self, bootstrap: str, redis_url: str, **options: Any) -> None:
         self.settings = ClientSettings(bootstrap=bootstrap, redis_url=redis_url, **options)
         self.client_id = uuid.uuid4().hex[:16]
-        self._route = ReplyRoute(RouteKind.REDIS, redis_reply_channel(self.client_id))
         self._producer = AIOKafkaProducer(
             bootstrap_servers=bootstrap,
             acks="all",  # an acknowledged request is on every in-sync replica
@@ -75,7 +76,9 @@ class Client:
             client_id=f"kinfer-client-{self.client_id}",
         )
         self._redis = aioredis.Redis.from_url(redis_url)
-        self._replies = ReplyMux(self._redis, self._route.name)
+        self._replies = ReplyMux(
+            self._redis, redis_reply_channel(self.client_id), self.settings.reply_topic, bootstrap
+        )
         self._known_topics: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -85,7 +88,20 @@ class Client:
             await self._producer.start()
         except KafkaError as exc:
             raise Unavailable(f"Kafka at {self.settings.bootstrap} unreachable: {exc}") from exc
-        await self._replies.start()
+        await self._replies.start(await self._reply_partitions())
+
+    async def _reply_partitions(self) -> set[int] | None:
+        topic = self.settings.reply_topic
+        if topic is None:
+            return None
+        try:
+            cluster = await self._producer.client.fetch_all_metadata()
+        except KafkaError as exc:
+            raise Unavailable(f"Kafka metadata unavailable: {exc}") from exc
+        partitions = cluster.partitions_for_topic(topic) if topic in cluster.topics() else None
+        if not partitions:
+            log.warning("reply topic %s does not exist (kinfer topics creates it): replies over Redis only", topic)
+        return partitions
 
     async def close(self) -> None:
         await self._replies.close()
@@ -106,6 +122,11 @@ class Client:
     def duplicate_replies(self) -> int:
         """Replies dropped because their request was already answered (redelivery after a crash)."""
         return self._replies.duplicates
+
+    @property
+    def redis_healthy(self) -> bool:
+        """False while replies come over the Kafka reply topic because Redis is unreachable."""
+        return self._replies.redis_healthy
 
     @property
     def late_replies(self) -> int:
@@ -190,7 +211,7 @@ class Client:
             created_ms=created,
             deadline_ms=created + (deadline_ms or self.settings.default_deadline_ms),
             inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
-            reply=self._route,
+            reply=self._replies.route(),
             params=params or {},
             stream=stream,
         )

@@ -6,60 +6,114 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import Any
 
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from producers.streams import StreamBuffer
-from topics import Chunk, InvalidRequest, KinferError, Result, Unavailable, decode_reply
+from topics import Chunk, InvalidRequest, KinferError, ReplyRoute, Result, RouteKind, Unavailable, decode_reply
 
 log = logging.getLogger(__name__)
 
 
 class ReplyMux:
-    """Owns the client's reply channel and hands each result to the caller waiting for it.
+    """Owns the client's reply sources and hands each result to the caller waiting for it.
 
-    A result whose id nobody waits for is dropped, so a caller sees exactly one result per request.
-    Recently finished ids are remembered (bounded) to tell the two kinds of stray reply apart:
-    ``duplicates`` are second copies of an answered request (a worker redelivery after a crash);
-    ``late`` are replies to requests whose caller had already given up.
+    Two sources feed one dispatcher: the client's Redis pub/sub channel (fast, at most once) and,
+    when the client has one, a Kafka reply topic (durable). Requests name the Redis channel with the
+    topic as fallback while Redis is healthy, and the topic alone while it is not; the Redis reader
+    reconnects in the background. Either way a caller sees exactly one result per request.
+
+    A result whose id nobody waits for is dropped. Recently finished ids are remembered (bounded)
+    to tell the two kinds of stray reply apart: ``duplicates`` are second copies of an answered
+    request (a worker redelivery after a crash); ``late`` are replies to requests whose caller had
+    already given up.
     """
 
     RECENT = 50_000  # finished request ids remembered for the counters above
 
-    def __init__(self, redis: aioredis.Redis, channel: str) -> None:
+    def __init__(self, redis: aioredis.Redis, channel: str, reply_topic: str | None = None,
+                 bootstrap: str | None = None) -> None:
         self.channel = channel
+        self.reply_topic = reply_topic
         self.duplicates = 0
         self.late = 0
         self.unknown = 0
+        self.redis_healthy = False
+        self._bootstrap = bootstrap
         self._recent: OrderedDict[str, bool] = OrderedDict()  # id → answered (False: abandoned)
         self._redis = redis
         self._pubsub = redis.pubsub(ignore_subscribe_messages=False)
         self._waiters: dict[str, asyncio.Future[Result]] = {}
         self._streams: dict[str, StreamBuffer] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._kafka: AIOKafkaConsumer | None = None
         self._failure: BaseException | None = None
 
-    async def start(self) -> None:
+    def route(self) -> ReplyRoute:
+        """Where the next request should ask for its reply."""
+        if self.redis_healthy:
+            return ReplyRoute(RouteKind.REDIS, self.channel, self.reply_topic if self._kafka else None)
+        if self._kafka is not None and self.reply_topic is not None:
+            return ReplyRoute(RouteKind.KAFKA, self.reply_topic)
+        raise Unavailable("no reply route: Redis is unreachable and there is no reply topic")
+
+    async def start(self, reply_partitions: set[int] | None = None) -> None:
+        """``reply_partitions``: the reply topic's partitions (None: no durable fallback)."""
+        if self.reply_topic is not None and self._bootstrap is not None and reply_partitions:
+            await self._start_kafka(self.reply_topic, reply_partitions, self._bootstrap)
+        try:
+            await self._subscribe()
+        except Unavailable:
+            if self._kafka is None:
+                raise
+            log.warning("Redis unreachable at start; replies come over %s until it is back", self.reply_topic)
+        self._spawn(self._read_redis(), "redis")
+
+    async def _start_kafka(self, topic: str, partitions: set[int], bootstrap: str) -> None:
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        try:
+            await consumer.start()
+            consumer.assign([TopicPartition(topic, p) for p in partitions])
+            await consumer.seek_to_end()
+            for tp in consumer.assignment():  # resolve the end now: replies from here on are ours
+                await consumer.position(tp)
+        except KafkaError as exc:
+            await consumer.stop()
+            raise Unavailable(f"reply topic {topic} unavailable: {exc}") from exc
+        self._kafka = consumer
+        self._spawn(self._read_kafka(consumer), "kafka")
+
+    async def _subscribe(self) -> None:
         try:
             await self._pubsub.subscribe(self.channel)
             # Wait for the subscription to be confirmed, so no reply can be published before it.
             while (msg := await self._pubsub.get_message(timeout=1.0)) is None or msg["type"] != "subscribe":
                 if msg is None and not self._pubsub.subscribed:
                     raise Unavailable(f"could not subscribe to {self.channel}")
-        except RedisError as exc:
+        except (RedisError, OSError) as exc:
             raise Unavailable(f"Redis subscription to {self.channel} failed: {exc}") from exc
-        self._pubsub.ignore_subscribe_messages = True
-        self._reader = asyncio.create_task(self._read(), name=f"kinfer-replies-{self.channel}")
-        self._reader.add_done_callback(self._reader_done)
+        self.redis_healthy = True
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=f"kinfer-replies-{name}-{self.channel}")
+        task.add_done_callback(self._reader_done)
+        self._tasks.append(task)
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        with contextlib.suppress(RedisError):
+                await task
+        with contextlib.suppress(RedisError, OSError):
             await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        if self._kafka is not None:
+            await self._kafka.stop()
         self._fail_all(Unavailable("client closed"))
 
     def expect(self, request_id: str) -> asyncio.Future[Result]:
@@ -97,17 +151,48 @@ class ReplyMux:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def _read(self) -> None:
+    async def _read_redis(self) -> None:
+        delay = 0.1
         while True:
-            msg = await self._pubsub.get_message(timeout=1.0)
-            if msg is None or msg["type"] != "message":
-                continue
             try:
-                reply = decode_reply(msg["data"])
-            except InvalidRequest as exc:
-                log.warning("dropping an unreadable reply on %s: %s", self.channel, exc)
+                if not self.redis_healthy:
+                    await self._subscribe()
+                    log.info("Redis is back: replies on %s again", self.channel)
+                    delay = 0.1
+                msg = await self._pubsub.get_message(timeout=1.0)
+            except (RedisError, OSError, Unavailable) as exc:
+                if self.redis_healthy:
+                    log.warning("Redis reply channel lost (%s); falling back to %s", exc, self.reply_topic)
+                self.redis_healthy = False
+                with contextlib.suppress(RedisError, OSError):
+                    await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+                self._pubsub = self._redis.pubsub(ignore_subscribe_messages=False)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
                 continue
-            self._deliver(reply)
+            if msg is not None and msg["type"] == "message":
+                self._receive(msg["data"])
+
+    async def _read_kafka(self, consumer: AIOKafkaConsumer) -> None:
+        while True:
+            try:
+                batches = await consumer.getmany(timeout_ms=500)
+            except KafkaError as exc:
+                log.warning("reply topic read failed, retrying: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for records in batches.values():
+                for record in records:
+                    if record.value is not None:
+                        self._receive(record.value)
+
+    def _receive(self, data: bytes) -> None:
+        try:
+            reply = decode_reply(data)
+        except InvalidRequest as exc:
+            log.warning("dropping an unreadable reply: %s", exc)
+            return
+        self._deliver(reply)
 
     def _deliver(self, reply: Result | Chunk) -> None:
         stream = self._streams.get(reply.id)

@@ -11,7 +11,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import KafkaError
 
 from topics.errors import Unavailable
-from topics.names import DLQ_TOPIC, request_topics
+from topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, request_topics
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,13 @@ def model_topic_specs(model: str, partitions: int, replication: int = 1) -> list
     return [TopicSpec(t, partitions, replication, configs) for t in request_topics(model)]
 
 
-def dlq_topic_spec(replication: int = 1) -> TopicSpec:
-    return TopicSpec(DLQ_TOPIC, 1, replication, {"retention.ms": str(7 * 24 * 3600 * 1000)})
+def shared_topic_specs(replication: int = 1, reply_partitions: int = 3) -> list[TopicSpec]:
+    """The topics every deployment needs: the dead-letter topic and the default reply topic."""
+    return [
+        TopicSpec(DLQ_TOPIC, 1, replication, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
+        # Replies matter for seconds: keep an hour, so a reconnecting client cannot drown in them.
+        TopicSpec(DEFAULT_REPLY_TOPIC, reply_partitions, replication, {"retention.ms": str(3600 * 1000)}),
+    ]
 
 
 async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec]) -> dict[str, int]:

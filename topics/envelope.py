@@ -64,20 +64,24 @@ class ReplyRoute:
 
     kind: RouteKind
     name: str  # channel name for REDIS, topic name for KAFKA
+    fallback_topic: str | None = None  # with REDIS: the Kafka topic to use when Redis is unreachable
 
     def to_wire(self) -> dict[str, str]:
-        return {self.kind.value: self.name}
+        wire = {self.kind.value: self.name}
+        if self.fallback_topic is not None:
+            wire["kafka"] = self.fallback_topic
+        return wire
 
     @classmethod
     def from_wire(cls, value: Any) -> ReplyRoute:
-        if not isinstance(value, dict) or len(value) != 1:
-            raise InvalidRequest("reply must be a map with exactly one of 'redis' or 'kafka'", "reply")
-        ((kind, name),) = value.items()
-        if kind not in ("redis", "kafka"):
-            raise InvalidRequest(f"reply kind must be 'redis' or 'kafka', got {kind!r}", "reply")
-        if not isinstance(name, str) or not valid_route_name(name):
-            raise InvalidRequest("reply name must be 1-128 characters of [A-Za-z0-9_.:-]", "reply")
-        return cls(RouteKind(kind), name)
+        if not isinstance(value, dict) or not 1 <= len(value) <= 2 or not set(value) <= {"redis", "kafka"}:
+            raise InvalidRequest("reply must be a map of 'redis' and/or 'kafka'", "reply")
+        for name in value.values():
+            if not isinstance(name, str) or not valid_route_name(name):
+                raise InvalidRequest("reply names must be 1-128 characters of [A-Za-z0-9_.:-]", "reply")
+        if "redis" in value:
+            return cls(RouteKind.REDIS, value["redis"], value.get("kafka"))
+        return cls(RouteKind.KAFKA, value["kafka"])
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import enum
 import re
 
 DLQ_TOPIC = "infer.dlq"
+DEFAULT_REPLY_TOPIC = "replies.default"  # the durable reply topic clients fall back to
 REQUEST_PREFIX = "infer."
 REPLY_TOPIC_PREFIX = "replies."
 REDIS_REPLY_PREFIX = "kinfer:reply:"

@@ -22,7 +22,7 @@ import pytest
 
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
-from topics.admin import dlq_topic_spec, ensure_topics, model_topic_specs
+from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 pytestmark = pytest.mark.integration
 
@@ -34,11 +34,14 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     bootstrap, redis_url = os.environ.get("KINFER_BOOTSTRAP"), os.environ.get("KINFER_REDIS_URL")
     if bootstrap and redis_url:
-        yield StackInfo("external", bootstrap, redis_url, 0, 0, "", "")
+        info = StackInfo("external", bootstrap, redis_url, 0, 0, "", "")
+        asyncio.run(ensure_topics(info.bootstrap, shared_topic_specs()))
+        yield info
         return
     local = LocalStack(tmp_path_factory.mktemp("stack"))
     info, _ = local.up()
     try:
+        asyncio.run(ensure_topics(info.bootstrap, shared_topic_specs()))
         yield info
     finally:
         local.down()
@@ -51,7 +54,7 @@ def model_name() -> str:
 
 @pytest.fixture
 async def topics(stack: StackInfo, model_name: str) -> str:
-    await ensure_topics(stack.bootstrap, [dlq_topic_spec(), *model_topic_specs(model_name, 3)])
+    await ensure_topics(stack.bootstrap, [*shared_topic_specs(), *model_topic_specs(model_name, 3)])
     return model_name
 
 
