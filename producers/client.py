@@ -32,6 +32,7 @@ from topics import (
     DEFAULT_LIMITS,
     Chunk,
     DeadlineExceeded,
+    KinferError,
     Limits,
     Priority,
     Request,
@@ -160,6 +161,32 @@ class Client:
         finally:
             self._replies.forget(request.id)
         return result.raise_for_status()
+
+    async def infer_many(
+        self,
+        model: str,
+        batch: Sequence[str | Sequence[str]],
+        *,
+        max_in_flight: int = 64,
+        **options: Any,
+    ) -> list[Result | KinferError]:
+        """Pipelined ``infer`` over many requests, at most ``max_in_flight`` outstanding.
+
+        Returns one outcome per request, in order: its ``Result``, or the ``KinferError`` it ended in
+        (so one refusal does not hide the other answers).
+        """
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        gate = asyncio.Semaphore(max_in_flight)
+
+        async def one(inputs: str | Sequence[str]) -> Result | KinferError:
+            async with gate:
+                try:
+                    return await self.infer(model, inputs, **options)
+                except KinferError as exc:
+                    return exc
+
+        return list(await asyncio.gather(*(one(inputs) for inputs in batch)))
 
     async def stream(
         self,

@@ -14,9 +14,9 @@ from consumers.runners.registry import minilm_path
 from ops.load import make_texts
 from ops.procs import wait_until_served
 from ops.stack import StackInfo
-from producers import Client
+from producers import BlockingClient, Client
 from tests.integration.conftest import WorkerProcess
-from topics import Priority, UnknownModel, pack
+from topics import InvalidRequest, KinferError, Priority, Result, UnknownModel, pack
 
 pytestmark = pytest.mark.integration
 
@@ -91,3 +91,23 @@ async def test_a_second_copy_of_a_reply_never_reaches_the_caller(
 async def test_unknown_model_fails_before_sending(client: Client) -> None:
     with pytest.raises(UnknownModel, match="not served"):
         await client.infer("no-such-model", ["x"], deadline_ms=2_000)
+
+
+def test_blocking_client_and_pipelined_infer_many(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    spawn_worker(topics, "--family", "noop")
+    with BlockingClient(stack.bootstrap, stack.redis_url) as c:
+        for _ in range(60):  # until the worker has joined its group
+            try:
+                c.infer(topics, ["ready?"], deadline_ms=3_000)
+                break
+            except KinferError:
+                continue
+        outcomes = c.infer_many(topics, ["a", "bb", [], "dddd"] * 25, max_in_flight=8, deadline_ms=30_000)
+    assert len(outcomes) == 100
+    for i, outcome in enumerate(outcomes):
+        if i % 4 == 2:
+            assert isinstance(outcome, InvalidRequest)  # one bad request does not hide the others
+        else:
+            assert isinstance(outcome, Result) and outcome.outputs == [len(["a", "bb", [], "dddd"][i % 4])]
