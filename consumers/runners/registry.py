@@ -13,7 +13,7 @@ from consumers.runners.base import Runner, pick_device
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str  # served model name (part of the topic names)
-    family: str  # runner family: "embedding", "generator" or "noop"
+    family: str  # runner family: "embedding", "classifier", "generator" or "noop"
     path: str | None = None  # Hugging Face model directory, for families that load weights
     options: dict[str, Any] = field(default_factory=dict)  # family-specific constructor options
 
@@ -64,6 +64,12 @@ def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
         if spec.path is None:
             raise ValueError(f"model {spec.name!r}: the embedding family needs a model directory")
         return EmbeddingRunner(spec.path, device=device, **spec.options)
+    if spec.family == "classifier":
+        from consumers.runners.classifier import ClassifierRunner
+
+        if spec.path is None:
+            raise ValueError(f"model {spec.name!r}: the classifier family needs a model directory")
+        return ClassifierRunner(spec.path, device=device, **spec.options)
     if spec.family == "generator":
         from consumers.runners.generator import GeneratorRunner
         from consumers.runners.tinylm import build_tiny_lm
@@ -77,4 +83,4 @@ def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
         from consumers.runners.noop import NoopRunner
 
         return NoopRunner(device=device, **{k: float(v) for k, v in spec.options.items()})
-    raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} (embedding, generator, noop)")
+    raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} (embedding, classifier, generator, noop)")

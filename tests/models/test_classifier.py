@@ -1,0 +1,31 @@
+"""The classification runner against a direct call of the same model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from consumers.runners import build_runner, resolve_model
+from consumers.runners.tinylm import build_tiny_classifier
+
+
+def test_labels_and_scores_match_the_model(tmp_path: Path) -> None:
+    path = build_tiny_classifier(tmp_path / "clf")
+    runner = build_runner(resolve_model("sentiment", "classifier", str(path)))
+    runner.load()
+    texts = ["a fine day", "kafka partitions and consumer groups, at some length this time"]
+    got = runner.run(texts)  # type: ignore[attr-defined]
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.inference_mode():
+        for text, out in zip(texts, got, strict=True):
+            probs = torch.softmax(model(**tok(text, return_tensors="pt")).logits[0], -1)
+            best = int(probs.argmax())
+            assert out["label"] == model.config.id2label[best]
+            assert out["score"] == pytest.approx(float(probs[best]), abs=1e-5)
+            assert out["labels"][0]["label"] == out["label"]
+            assert sum(x["score"] for x in out["labels"]) == pytest.approx(1.0, abs=1e-5)
