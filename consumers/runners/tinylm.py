@@ -51,9 +51,10 @@ def build_tiny_classifier(path: Path, labels: tuple[str, ...] = ("negative", "ne
     tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
     config = BertConfig(
         vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, num_labels=len(labels),
-        id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)},
+        intermediate_size=128,
     )
+    config.id2label = dict(enumerate(labels))  # also sets num_labels
+    config.label2id = {name: i for i, name in enumerate(labels)}
     torch.manual_seed(seed)
     path.mkdir(parents=True, exist_ok=True)
     BertForSequenceClassification(config).save_pretrained(path)
