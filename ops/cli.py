@@ -157,10 +157,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ops.bench import bench_batching, bench_generation, bench_model
+    from ops.bench import bench_batching, bench_gateway, bench_generation, bench_model
 
     if args.bench == "model":
         report = bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds)
+    elif args.bench == "gateway":
+        report = bench_gateway(rate=args.rate, seconds=args.seconds, concurrency=args.concurrency)
     elif args.bench == "generation":
         report = bench_generation(requests=args.requests, rate=args.rate, max_running=args.max_running)
     else:
@@ -261,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sim: a simulated accelerator (15 ms a batch + 0.5 ms an input)")
     bb.add_argument("--max-rps", type=float, default=256.0, help="upper end of the rate search")
     bb.set_defaults(func=cmd_bench)
+    bw = bs.add_parser("gateway", help="the gateway's added latency over the library, and its max rps (noop model)")
+    bw.add_argument("--json", action="store_true", help="one line of JSON")
+    bw.add_argument("--rate", type=float, default=100.0)
+    bw.add_argument("--seconds", type=float, default=10.0)
+    bw.add_argument("--concurrency", type=int, default=64)
+    bw.set_defaults(func=cmd_bench)
     bg = bs.add_parser("generation", help="continuous vs static batching on a mixed generation workload")
     bg.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
     bg.add_argument("--requests", type=int, default=96)
