@@ -20,7 +20,7 @@ import uvicorn
 import websockets
 
 from consumers.runners.registry import minilm_path
-from consumers.runners.tinylm import build_tiny_lm
+from consumers.runners.tinylm import build_tiny_classifier, build_tiny_lm
 from ops.procs import wait_until_served
 from ops.stack import StackInfo, free_port
 from producers import Client
@@ -35,31 +35,33 @@ KEY, SLOW_KEY = "alpha-key", "slow-key"
 
 
 class Served:
-    def __init__(self, url: str, noop: str, lm: str, emb: str) -> None:
-        self.url, self.noop, self.lm, self.emb = url, noop, lm, emb
+    def __init__(self, url: str, noop: str, lm: str, emb: str, clf: str) -> None:
+        self.url, self.noop, self.lm, self.emb, self.clf = url, noop, lm, emb, clf
 
 
 @pytest.fixture(scope="module")
-def workers(stack: StackInfo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+def workers(stack: StackInfo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str, str]]:
     base = f"gw-{uuid.uuid4().hex[:6]}"
-    noop, lm, emb = f"{base}-noop", f"{base}-lm", f"{base}-emb"
-    asyncio.run(ensure_topics(stack.bootstrap, [s for m in (noop, lm, emb) for s in model_topic_specs(m, 2)]))
+    noop, lm, emb, clf = f"{base}-noop", f"{base}-lm", f"{base}-emb", f"{base}-clf"
+    models = (noop, lm, emb, clf)
+    asyncio.run(ensure_topics(stack.bootstrap, [s for m in models for s in model_topic_specs(m, 2)]))
     lm_dir = build_tiny_lm(tmp_path_factory.mktemp("lm"), eos=False)
+    clf_dir = build_tiny_classifier(tmp_path_factory.mktemp("clf"))
     logs = tmp_path_factory.mktemp("gw-logs")
     procs = [
         WorkerProcess(stack, noop, logs, "--family", "noop"),
         WorkerProcess(stack, lm, logs, "--family", "generator", "--path", str(lm_dir)),
         WorkerProcess(stack, emb, logs, "--family", "embedding", "--path", str(minilm_path())),
+        WorkerProcess(stack, clf, logs, "--family", "classifier", "--path", str(clf_dir)),
     ]
-    yield noop, lm, emb
+    yield models
     for p in procs:
         p.stop()
 
 
 @pytest.fixture(scope="module")
-async def gateway(stack: StackInfo, workers: tuple[str, str, str], tmp_path_factory: pytest.TempPathFactory
+async def gateway(stack: StackInfo, workers: tuple[str, str, str, str], tmp_path_factory: pytest.TempPathFactory
                   ) -> AsyncIterator[Served]:
-    noop, lm, emb = workers
     async with Client(stack.bootstrap, stack.redis_url) as c:
         for m in workers:
             await wait_until_served(c, m)
@@ -74,7 +76,7 @@ async def gateway(stack: StackInfo, workers: tuple[str, str, str], tmp_path_fact
     task = asyncio.create_task(server.serve())
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
         await asyncio.sleep(0.05)
-    yield Served(f"http://127.0.0.1:{port}", noop, lm, emb)
+    yield Served(f"http://127.0.0.1:{port}", *workers)
     server.should_exit = True
     await task
 
@@ -88,6 +90,11 @@ async def test_infer_models_and_probes(gateway: Served) -> None:
         r = await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": ["abc", "hello"]}, headers=auth())
         assert r.status_code == 200, r.text
         assert r.json()["outputs"] == [3, 5] and r.json()["status"] == "ok"
+        r = await http.post(f"/v1/models/{gateway.clf}/infer", json={"inputs": ["great", "awful"]}, headers=auth())
+        assert r.status_code == 200, r.text
+        for out in r.json()["outputs"]:  # classification: the best label, its score, the ranking
+            assert out["label"] in {"negative", "neutral", "positive"} and 0 < out["score"] <= 1
+            assert out["labels"][0]["label"] == out["label"]
         models = (await http.get("/v1/models", headers=auth())).json()["data"]
         assert {gateway.noop, gateway.lm, gateway.emb} <= {m["id"] for m in models}
         assert (await http.get("/healthz")).status_code == 200
