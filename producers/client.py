@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import redis.asyncio as aioredis
@@ -58,6 +58,7 @@ class ClientSettings:
     reply_grace_ms: int = 250  # how long past the deadline to wait for an ``expired`` reply
     linger_ms: int = 1  # producer batching delay: trades a millisecond for fewer broker requests
     reply_topic: str | None = DEFAULT_REPLY_TOPIC  # durable fallback when Redis is down (None: Redis only)
+    reply_via: Literal["redis", "kafka"] = "redis"  # kafka: every reply over the reply topic (durable, slower)
     limits: Limits = DEFAULT_LIMITS
 
     def __repr__(self) -> str:  # never print credentials embedded in a URL
@@ -78,7 +79,8 @@ class Client:
         )
         self._redis = aioredis.Redis.from_url(redis_url)
         self._replies = ReplyMux(
-            self._redis, redis_reply_channel(self.client_id), self.settings.reply_topic, bootstrap
+            self._redis, redis_reply_channel(self.client_id), self.settings.reply_topic, bootstrap,
+            prefer_kafka=self.settings.reply_via == "kafka",
         )
         self._known_topics: set[str] = set()
 
@@ -128,6 +130,11 @@ class Client:
     def redis_healthy(self) -> bool:
         """False while replies come over the Kafka reply topic because Redis is unreachable."""
         return self._replies.redis_healthy
+
+    @property
+    def replies_received(self) -> dict[str, int]:
+        """Replies handed to callers, by the source they came from ("redis", "kafka")."""
+        return dict(self._replies.received)
 
     @property
     def late_replies(self) -> int:

@@ -37,13 +37,15 @@ class ReplyMux:
     RECENT = 50_000  # finished request ids remembered for the counters above
 
     def __init__(self, redis: aioredis.Redis, channel: str, reply_topic: str | None = None,
-                 bootstrap: str | None = None) -> None:
+                 bootstrap: str | None = None, prefer_kafka: bool = False) -> None:
         self.channel = channel
+        self.prefer_kafka = prefer_kafka  # every reply over the topic, even while Redis is fine
         self.reply_topic = reply_topic
         self.duplicates = 0
         self.late = 0
         self.unknown = 0
         self.redis_healthy = False
+        self.received = {"redis": 0, "kafka": 0}  # replies read from each source
         self._bootstrap = bootstrap
         self._recent: OrderedDict[str, bool] = OrderedDict()  # id → answered (False: abandoned)
         self._redis = redis
@@ -56,7 +58,7 @@ class ReplyMux:
 
     def route(self) -> ReplyRoute:
         """Where the next request should ask for its reply."""
-        if self.redis_healthy:
+        if self.redis_healthy and not (self.prefer_kafka and self._kafka is not None):
             return ReplyRoute(RouteKind.REDIS, self.channel, self.reply_topic if self._kafka else None)
         if self._kafka is not None and self.reply_topic is not None:
             return ReplyRoute(RouteKind.KAFKA, self.reply_topic)
@@ -171,7 +173,7 @@ class ReplyMux:
                 delay = min(delay * 2, 2.0)
                 continue
             if msg is not None and msg["type"] == "message":
-                self._receive(msg["data"])
+                self._receive(msg["data"], "redis")
 
     async def _read_kafka(self, consumer: AIOKafkaConsumer) -> None:
         while True:
@@ -184,14 +186,16 @@ class ReplyMux:
             for records in batches.values():
                 for record in records:
                     if record.value is not None:
-                        self._receive(record.value)
+                        self._receive(record.value, "kafka")
 
-    def _receive(self, data: bytes) -> None:
+    def _receive(self, data: bytes, source: str) -> None:
         try:
             reply = decode_reply(data)
         except InvalidRequest as exc:
             log.warning("dropping an unreadable reply: %s", exc)
             return
+        if reply.id in self._waiters or reply.id in self._streams:
+            self.received[source] += 1
         self._deliver(reply)
 
     def _deliver(self, reply: Result | Chunk) -> None:

@@ -62,8 +62,10 @@ async def test_replies_arrive_over_the_reply_topic_while_redis_is_down(
             redis.kill()
             redis.wait()
             # Sent while the client still believes in Redis (the worker falls back), then after.
+            before = client.replies_received["kafka"]
             results = [await client.infer(topics, [f"r{i}"], deadline_ms=30_000) for i in range(5)]
             assert [r.outputs for r in results] == [[2]] * 5
+            assert client.replies_received["kafka"] - before == 5  # every one of them over the topic
             await until(lambda: not client.redis_healthy)
             assert (await client.infer(topics, ["kafka only"], deadline_ms=30_000)).outputs == [len("kafka only")]
 
@@ -77,3 +79,16 @@ async def test_replies_arrive_over_the_reply_topic_while_redis_is_down(
         redis.wait()
         if worker is not None:
             worker.stop()
+
+
+async def test_replies_over_kafka_by_choice(stack: StackInfo, topics: str, tmp_path: Path) -> None:
+    worker = WorkerProcess(stack, topics, tmp_path, "--family", "noop")
+    try:
+        async with Client(stack.bootstrap, stack.redis_url, reply_via="kafka") as client:
+            await wait_until_served(client, topics)
+            results = await client.infer_many(topics, ["a", "bb", "ccc"], deadline_ms=30_000)
+            assert [r.outputs for r in results if not isinstance(r, Exception)] == [[1], [2], [3]]
+            assert client.redis_healthy  # Redis is fine; the client chose the durable route
+            assert client.replies_received["redis"] == 0 and client.replies_received["kafka"] >= 3
+    finally:
+        worker.stop()
