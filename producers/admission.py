@@ -1,0 +1,88 @@
+"""Client-side admission: refuse early what the system cannot serve in time (pure; time passed in).
+
+Two mechanisms, applied in order:
+
+1. **The health signal** (``topics.health``): a request is refused when the model's predicted wait
+   plus its own service time would pass its deadline, and by priority as the level rises (SHEDDING
+   refuses p2, REJECTING refuses p1 and p2).
+2. **Adaptive throttling** (Google SRE book, "Handling Overload"): each client tracks its recent
+   requests and the ones the backend accepted, and refuses locally with probability
+   ``max(0, (requests - K·accepts) / (requests + 1))``. It needs no signal at all, reacts within a
+   window, and lets through enough traffic to notice recovery.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from topics import Priority
+from topics.health import HealthState, Level
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    admit: bool
+    reason: str = ""  # why not
+    retry_after_s: float = 0.0
+
+
+ADMIT = Decision(True)
+
+
+def health_decision(
+    health: HealthState | None, priority: Priority, deadline_in_ms: float, service_ms: float
+) -> Decision:
+    """What the health signal says about one request (None: no signal, admit)."""
+    if health is None:
+        return ADMIT
+    retry = health.retry_after_ms / 1000.0
+    if health.level >= Level.REJECTING and priority > Priority.P0:
+        return Decision(False, f"{health.model} is rejecting {priority.label}", retry)
+    if health.level >= Level.SHEDDING and priority >= Priority.P2:
+        return Decision(False, f"{health.model} is shedding {priority.label}", retry)
+    if health.predicted_wait_ms + service_ms > deadline_in_ms:
+        return Decision(
+            False,
+            f"{health.model}: predicted wait {health.predicted_wait_ms:.0f} ms + service {service_ms:.0f} ms "
+            f"exceeds the {deadline_in_ms:.0f} ms deadline",
+            retry,
+        )
+    return ADMIT
+
+
+class AdaptiveThrottle:
+    """Requests and accepts counted over a sliding window (exponentially decayed, ``now`` passed in)."""
+
+    def __init__(self, k: float = 2.0, window_s: float = 60.0) -> None:
+        if k < 1.0:
+            raise ValueError(f"k must be >= 1 (k = 1 refuses as soon as anything fails), got {k}")
+        self.k = k
+        self.window_s = window_s
+        self.requests = 0.0
+        self.accepts = 0.0
+        self._at = 0.0
+
+    def _decay(self, now: float) -> None:
+        if now > self._at:
+            factor = math.exp(-(now - self._at) / self.window_s)
+            self.requests *= factor
+            self.accepts *= factor
+            self._at = now
+
+    def reject_probability(self, now: float) -> float:
+        self._decay(now)
+        return max(0.0, (self.requests - self.k * self.accepts) / (self.requests + 1.0))
+
+    def decide(self, now: float, draw: float) -> Decision:
+        """``draw`` uniform in [0, 1): passed in so tests choose it. Counts the request either way."""
+        p = self.reject_probability(now)
+        self.requests += 1.0
+        if draw < p:
+            return Decision(False, f"adaptive throttling: refusing {p:.0%} of requests locally", 1.0)
+        return ADMIT
+
+    def accepted(self, now: float) -> None:
+        """The backend took a request (any reply other than an overload refusal)."""
+        self._decay(now)
+        self.accepts += 1.0

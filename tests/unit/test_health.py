@@ -1,0 +1,71 @@
+"""The lag monitor's estimate: smoothing, hysteresis, and the wire form of the state."""
+
+from __future__ import annotations
+
+import pytest
+
+from ops.health import HealthEstimator, HealthPolicy
+from topics import InvalidRequest
+from topics.health import HealthState, Level
+
+
+def feed(h: HealthEstimator, start: float, seconds: float, lag: int, arrive: float, drain: float,
+         totals: list[int]) -> list[Level]:
+    """Observe every 0.1 s: ``arrive`` and ``drain`` records/s, with ``lag`` records waiting."""
+    levels = []
+    t = start
+    while t < start + seconds - 1e-9:
+        t += 0.1
+        totals[0] += int(arrive * 0.1)
+        totals[1] += int(drain * 0.1)
+        levels.append(h.observe(t, lag, totals[0], totals[1]))
+    return levels
+
+
+def test_a_momentary_spike_does_not_change_the_level() -> None:
+    h = HealthEstimator()
+    totals = [0, 0]
+    feed(h, 0, 5, lag=0, arrive=100, drain=100, totals=totals)
+    levels = feed(h, 5, 0.2, lag=50, arrive=100, drain=100, totals=totals)  # 0.5 s of queue, 200 ms long
+    levels += feed(h, 5.2, 5, lag=0, arrive=100, drain=100, totals=totals)
+    assert set(levels) <= {Level.OK, Level.DEGRADED}
+    assert h.level == Level.OK
+
+
+def test_a_standing_queue_raises_the_level_and_it_falls_back_one_step_at_a_time() -> None:
+    h = HealthEstimator(HealthPolicy(min_dwell_s=1.0))
+    totals = [0, 0]
+    feed(h, 0, 3, lag=0, arrive=100, drain=100, totals=totals)
+    rising = feed(h, 3, 6, lag=100, arrive=100, drain=100, totals=totals)  # one second of queue
+    assert rising[-1] == Level.REJECTING and h.wait_ms > 500
+    assert rising == sorted(rising)  # never down while the queue stands
+    falling = feed(h, 9, 10, lag=0, arrive=100, drain=100, totals=totals)
+    assert falling[-1] == Level.OK
+    steps = [lvl for i, lvl in enumerate(falling) if i == 0 or lvl != falling[i - 1]]
+    assert steps == [Level.REJECTING, Level.SHEDDING, Level.DEGRADED, Level.OK]
+    assert h.retry_after_ms() >= 1000
+
+
+def test_no_flapping_around_a_threshold() -> None:
+    h = HealthEstimator(HealthPolicy(min_dwell_s=2.0))
+    totals = [0, 0]
+    feed(h, 0, 6, lag=7, arrive=100, drain=100, totals=totals)  # ~70 ms: DEGRADED
+    assert h.level == Level.DEGRADED
+    changes = 0
+    for i in range(20):  # hovering just around the 50 ms threshold, both sides
+        before = h.level
+        feed(h, 6 + i * 0.5, 0.5, lag=4 if i % 2 else 6, arrive=100, drain=100, totals=totals)
+        changes += h.level != before
+    assert changes == 0
+
+
+def test_state_round_trip_and_bad_input() -> None:
+    s = HealthState("m", Level.SHEDDING, 180.5, 2000, 42, 90.0, 60.0, 1_700_000_000_000)
+    assert HealthState.unpack(s.pack()) == s
+    with pytest.raises(InvalidRequest):
+        HealthState.unpack(b"\x81\xa1x\x01")
+
+
+def test_policy_names_the_conflict() -> None:
+    with pytest.raises(ValueError, match="thresholds must rise"):
+        HealthPolicy(degraded_wait_ms=200, shedding_wait_ms=100)

@@ -1,0 +1,69 @@
+"""The health signal: how loaded a model is, published by the lag monitor, obeyed by producers.
+
+Published three ways, same content: a Redis hash ``kinfer:health:<model>`` (read on demand), a
+pub/sub notification on ``kinfer:health`` (pushed on every level change), and a compacted Kafka
+topic ``kinfer.health`` keyed by model (durable, for consumers that start later).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from topics.errors import InvalidRequest
+
+HEALTH_TOPIC = "kinfer.health"
+HEALTH_CHANNEL = "kinfer:health"
+HEALTH_KEY_PREFIX = "kinfer:health:"
+
+
+class Level(enum.IntEnum):
+    """What producers do with new requests for the model, by priority."""
+
+    OK = 0  # admit everything that can meet its deadline
+    DEGRADED = 1  # as OK; the system is slower than usual (upstream may slow down)
+    SHEDDING = 2  # refuse p2 at once
+    REJECTING = 3  # refuse p1 and p2; p0 only if it can meet its deadline
+
+
+@dataclass(frozen=True, slots=True)
+class HealthState:
+    model: str
+    level: Level
+    predicted_wait_ms: float  # queueing a new request should expect before its batch starts
+    retry_after_ms: int  # when a refused caller should try again
+    lag: int  # records waiting in the model's request topics
+    arrival_rps: float  # records/s written to the request topics (smoothed)
+    drain_rps: float  # records/s committed by the workers (smoothed)
+    updated_ms: int  # wall clock of the estimate
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "level": int(self.level), "predicted_wait_ms": self.predicted_wait_ms,
+            "retry_after_ms": self.retry_after_ms, "lag": self.lag, "arrival_rps": self.arrival_rps,
+            "drain_rps": self.drain_rps, "updated_ms": self.updated_ms,
+        }
+
+    def pack(self) -> bytes:
+        data: bytes = msgpack.packb(self.to_wire())
+        return data
+
+    @classmethod
+    def unpack(cls, data: bytes) -> HealthState:
+        try:
+            obj = msgpack.unpackb(data, raw=False, max_str_len=256, max_map_len=16, max_array_len=0)
+            return cls(
+                model=str(obj["model"]), level=Level(int(obj["level"])),
+                predicted_wait_ms=float(obj["predicted_wait_ms"]), retry_after_ms=int(obj["retry_after_ms"]),
+                lag=int(obj["lag"]), arrival_rps=float(obj["arrival_rps"]), drain_rps=float(obj["drain_rps"]),
+                updated_ms=int(obj["updated_ms"]),
+            )
+        except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+            raise InvalidRequest(f"malformed health state: {exc}", "health") from exc
+
+
+def health_key(model: str) -> str:
+    return f"{HEALTH_KEY_PREFIX}{model}"
