@@ -150,6 +150,29 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lagmon(args: argparse.Namespace) -> int:
+    from ops.health import HealthPolicy
+    from ops.lagmon import LagMonitor
+
+    bootstrap, redis_url = resolve_endpoints()
+    monitor = LagMonitor(bootstrap, redis_url, models=args.model or None, interval_s=args.interval_s,
+                         policy=HealthPolicy())
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr="127.0.0.1")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await monitor.run(stop)
+
+    asyncio.run(main())
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ops.demo import run_demo
 
@@ -238,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenants", help="JSON file of tenants with hashed API keys (see producers/tenants.py)")
     g.add_argument("--hash-key", metavar="KEY", help="print the SHA-256 of an API key for the tenants file, and exit")
     g.set_defaults(func=cmd_gateway)
+
+    m = sub.add_parser("lagmon", help="consumer lag → health state per model, published for producers to obey")
+    m.add_argument("--model", action="append", default=[], help="models to watch (default: all)")
+    m.add_argument("--interval-s", type=float, default=0.5)
+    m.add_argument("--metrics-port", type=int)
+    m.set_defaults(func=cmd_lagmon)
 
     d = sub.add_parser("demo", help="start everything, send a steady stream of requests, report latency, stop")
     d.add_argument("--requests", type=int, default=300)

@@ -52,7 +52,8 @@ def run_demo(requests: int, rate: float, model: str, partitions: int) -> int:
         print(f"worker for {model} starting (log: {log_path})")
         report = asyncio.run(_drive(info, model, requests, rate))
         print_report(report)
-        return 0 if len(report.ok) == requests else 1
+        # Success is every request answered: on a busy machine a few may be shed, and say so.
+        return 0 if len(report.outcomes) == requests else 1
     finally:
         if worker is not None:
             stop_process(worker)

@@ -52,7 +52,12 @@ def health_decision(
 
 
 class AdaptiveThrottle:
-    """Requests and accepts counted over a sliding window (exponentially decayed, ``now`` passed in)."""
+    """Requests and accepts counted over a sliding window (exponentially decayed, ``now`` passed in).
+
+    A request counts once its outcome is known — the backend took it, or refused it (shed, expired,
+    timed out). Counting requests still in flight would make a fresh client's first burst look
+    like failures and throttle it for nothing.
+    """
 
     def __init__(self, k: float = 2.0, window_s: float = 60.0) -> None:
         if k < 1.0:
@@ -75,14 +80,17 @@ class AdaptiveThrottle:
         return max(0.0, (self.requests - self.k * self.accepts) / (self.requests + 1.0))
 
     def decide(self, now: float, draw: float) -> Decision:
-        """``draw`` uniform in [0, 1): passed in so tests choose it. Counts the request either way."""
+        """``draw`` uniform in [0, 1): passed in so tests choose it. A local refusal counts as a
+        request the backend did not accept (so the ratio keeps track while it refuses)."""
         p = self.reject_probability(now)
-        self.requests += 1.0
         if draw < p:
+            self.requests += 1.0
             return Decision(False, f"adaptive throttling: refusing {p:.0%} of requests locally", 1.0)
         return ADMIT
 
-    def accepted(self, now: float) -> None:
-        """The backend took a request (any reply other than an overload refusal)."""
+    def record(self, now: float, accepted: bool) -> None:
+        """The outcome of a request that was sent: taken by the backend, or refused for overload."""
         self._decay(now)
-        self.accepts += 1.0
+        self.requests += 1.0
+        if accepted:
+            self.accepts += 1.0

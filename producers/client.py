@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
+from producers.admission import AdaptiveThrottle, health_decision
+from producers.health import HealthWatch
 from producers.replies import ReplyMux
 from topics import (
     DEFAULT_LIMITS,
@@ -34,9 +38,11 @@ from topics import (
     DeadlineExceeded,
     KinferError,
     Limits,
+    Overloaded,
     Priority,
     Request,
     Result,
+    Status,
     Unavailable,
     UnknownModel,
     decode_request,
@@ -59,6 +65,7 @@ class ClientSettings:
     linger_ms: int = 1  # producer batching delay: trades a millisecond for fewer broker requests
     reply_topic: str | None = DEFAULT_REPLY_TOPIC  # durable fallback when Redis is down (None: Redis only)
     reply_via: Literal["redis", "kafka"] = "redis"  # kafka: every reply over the reply topic (durable, slower)
+    admission: bool = True  # obey the health signal and throttle adaptively before enqueueing
     limits: Limits = DEFAULT_LIMITS
 
     def __repr__(self) -> str:  # never print credentials embedded in a URL
@@ -83,6 +90,8 @@ class Client:
             prefer_kafka=self.settings.reply_via == "kafka",
         )
         self._known_topics: set[str] = set()
+        self._health = HealthWatch(self._redis)
+        self._throttles: dict[str, AdaptiveThrottle] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -92,6 +101,8 @@ class Client:
         except KafkaError as exc:
             raise Unavailable(f"Kafka at {self.settings.bootstrap} unreachable: {exc}") from exc
         await self._replies.start(await self._reply_partitions())
+        if self.settings.admission:
+            self._health.start()
 
     async def _reply_partitions(self) -> set[int] | None:
         topic = self.settings.reply_topic
@@ -107,6 +118,7 @@ class Client:
         return partitions
 
     async def close(self) -> None:
+        await self._health.close()
         await self._replies.close()
         await self._producer.stop()
         with contextlib.suppress(RedisError):
@@ -158,15 +170,19 @@ class Client:
         request, data, topic = await self._prepare(
             model, inputs, priority, deadline_ms, params, request_id, False, tenant
         )
+        self._admit(request)
         waiter = self._replies.expect(request.id)
         try:
             await self._publish(topic, data)
             try:
                 result = await asyncio.wait_for(waiter, max(0.0, self._remaining_s(request)))
             except TimeoutError as exc:
+                self._throttle(model).record(time.monotonic(), accepted=False)
                 raise DeadlineExceeded(f"{model}/{request.id}: no reply by the deadline") from exc
         finally:
             self._replies.forget(request.id)
+        refused = result.status in (Status.SHED, Status.EXPIRED)
+        self._throttle(model).record(time.monotonic(), accepted=not refused)
         return result.raise_for_status()
 
     async def infer_many(
@@ -216,6 +232,7 @@ class Client:
         request, data, topic = await self._prepare(
             model, [prompt], priority, deadline_ms, params, request_id, True, tenant
         )
+        self._admit(request)
         buffer = self._replies.open_stream(request.id)
         try:
             await self._publish(topic, data)
@@ -224,6 +241,8 @@ class Client:
                     chunk = await buffer.next(self._remaining_s(request))
                 except TimeoutError as exc:
                     raise DeadlineExceeded(f"{model}/{request.id}: stream stalled past the deadline") from exc
+                if chunk.seq == 0:
+                    self._throttle(model).record(time.monotonic(), accepted=True)
                 yield chunk.raise_for_status()
                 if chunk.final:
                     return
@@ -254,6 +273,21 @@ class Client:
         topic = request_topic(model, request.priority)
         await self._check_topic(topic, model)
         return request, data, topic
+
+    def _throttle(self, model: str) -> AdaptiveThrottle:
+        return self._throttles.setdefault(model, AdaptiveThrottle())
+
+    def _admit(self, request: Request) -> None:
+        """Refuse here, before enqueueing, what the system says it cannot serve in time."""
+        if not self.settings.admission:
+            return
+        health = self._health.get(request.model)
+        decision = health_decision(health, request.priority, request.deadline_ms - now_ms(), 0.0)
+        if decision.admit and request.priority > Priority.P0:  # interactive work is never throttled locally
+            decision = self._throttle(request.model).decide(time.monotonic(), random.random())
+        if not decision.admit:
+            level = health.level.name.lower() if health is not None else None
+            raise Overloaded(f"{request.model}: {decision.reason}", decision.retry_after_s, level)
 
     async def _publish(self, topic: str, data: bytes) -> None:
         try:

@@ -364,6 +364,9 @@ def error_payload(exc: KinferError) -> tuple[int, dict[str, Any], dict[str, str]
         retry = 1.0
     if retry is not None:
         headers["Retry-After"] = str(max(1, round(retry + 0.4999)))
+    level = getattr(exc, "level", None)
+    if level:
+        headers["X-Kinfer-Degradation"] = level  # the model's health level that refused the request
     error: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
     field = getattr(exc, "field", None)
     if field:

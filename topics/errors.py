@@ -42,9 +42,10 @@ class Overloaded(KinferError):
     retriable = True
     shed = True
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after_s: float = 1.0, level: str | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.level = level  # the model's degradation level when the health signal refused it
 
 
 class Shed(KinferError):

@@ -34,12 +34,13 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_whatever_the_level()
 
 def test_adaptive_throttling_follows_the_formula() -> None:
     t = AdaptiveThrottle(k=2.0, window_s=1e9)  # no decay: exact counts
+    for _ in range(20):  # a fresh client's burst, all still in flight: nothing to hold against it
+        assert t.decide(0.0, draw=0.0).admit
     for _ in range(100):
-        assert t.decide(0.0, draw=0.99).admit
-        t.accepted(0.0)
+        t.record(0.0, accepted=True)
     assert t.reject_probability(0.0) == 0.0
-    for _ in range(300):  # the backend accepts nothing now
-        t.decide(0.0, draw=0.99)
+    for _ in range(300):  # the backend refuses everything now
+        t.record(0.0, accepted=False)
     # requests 400, accepts 100: (400 - 2·100) / 401
     assert t.reject_probability(0.0) == pytest.approx(200 / 401)
     assert not t.decide(0.0, draw=0.1).admit
@@ -49,6 +50,6 @@ def test_adaptive_throttling_follows_the_formula() -> None:
 def test_adaptive_throttling_forgets_with_time() -> None:
     t = AdaptiveThrottle(window_s=10.0)
     for _ in range(100):
-        t.decide(0.0, draw=0.99)
+        t.record(0.0, accepted=False)
     assert t.reject_probability(0.0) > 0.9
     assert t.reject_probability(100.0) < 0.01  # ten windows later the failures are forgotten

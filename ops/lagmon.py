@@ -1,0 +1,124 @@
+"""``kinfer lagmon``: consumer lag → a health state per model, published for producers to obey.
+
+Every ``interval_s``: for each model, the log-end offsets of its request topics and the committed
+offsets of its consumer group give the lag (records waiting) and, over time, arrival and drain
+rates; ``HealthEstimator`` turns them into a level with smoothing and hysteresis. The state goes to
+a Redis hash (``kinfer:health:<model>``), a pub/sub notification (``kinfer:health``) and the
+compacted topic ``kinfer.health`` keyed by model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from prometheus_client import Counter, Gauge
+from redis.exceptions import RedisError
+
+from ops.health import HealthEstimator, HealthPolicy
+from topics import now_ms
+from topics.admin import TopicSpec, ensure_topics
+from topics.health import HEALTH_CHANNEL, HEALTH_TOPIC, HealthState, Level, health_key
+from topics.names import consumer_group, parse_request_topic, request_topics
+
+log = logging.getLogger(__name__)
+
+LAG = Gauge("kinfer_lag_records", "Records waiting in a model's request topics", ["model"])
+LEVEL = Gauge("kinfer_health_level", "0 ok, 1 degraded, 2 shedding, 3 rejecting", ["model"])
+LEVEL_CHANGES = Counter("kinfer_health_level_changes_total", "Level changes", ["model", "to"])
+
+
+def health_topic_spec() -> TopicSpec:
+    return TopicSpec(HEALTH_TOPIC, 1, 1, {"cleanup.policy": "compact"})
+
+
+@dataclass
+class LagMonitor:
+    bootstrap: str
+    redis_url: str
+    models: list[str] | None = None  # None: every model with request topics
+    interval_s: float = 0.5
+    policy: HealthPolicy = field(default_factory=HealthPolicy)
+    states: dict[str, HealthState] = field(default_factory=dict)
+    _estimators: dict[str, HealthEstimator] = field(default_factory=dict)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await ensure_topics(self.bootstrap, [health_topic_spec()])
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all")
+        redis = aioredis.Redis.from_url(self.redis_url)
+        await admin.start()
+        await consumer.start()
+        await producer.start()
+        try:
+            while not stop.is_set():
+                try:
+                    for state in await self.poll(admin, consumer):
+                        await self._publish(state, producer, redis)
+                except (KafkaError, RedisError, OSError) as exc:
+                    log.warning("lag poll failed, retrying: %s", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
+        finally:
+            await producer.stop()
+            await consumer.stop()
+            await admin.close()
+            await redis.aclose()
+
+    async def poll(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer) -> list[HealthState]:
+        models = self.models or sorted({parse_request_topic(t)[0] for t in await admin.list_topics()
+                                        if _is_request_topic(t)})
+        states = []
+        for model in models:
+            described = await admin.describe_topics(request_topics(model))
+            parts = [TopicPartition(t["topic"], p["partition"]) for t in described if t["error_code"] == 0
+                     for p in t["partitions"]]
+            if not parts:
+                continue
+            ends = await consumer.end_offsets(parts)
+            committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=parts)
+            done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in parts}
+            lag = sum(max(0, ends[tp] - done[tp]) for tp in parts)
+            estimator = self._estimators.setdefault(model, HealthEstimator(self.policy))
+            level = estimator.observe(time.monotonic(), lag, sum(ends.values()), sum(done.values()))
+            state = HealthState(
+                model=model, level=level, predicted_wait_ms=round(estimator.wait_ms, 1),
+                retry_after_ms=estimator.retry_after_ms(), lag=lag, arrival_rps=round(estimator.arrival_rps, 2),
+                drain_rps=round(estimator.drain_rps, 2), updated_ms=now_ms(),
+            )
+            previous = self.states.get(model)
+            if previous is None or previous.level != level:
+                LEVEL_CHANGES.labels(model, level.name.lower()).inc()
+                log.info("%s: %s (lag %d, predicted wait %.0f ms)", model, level.name, lag, estimator.wait_ms)
+            self.states[model] = state
+            LAG.labels(model).set(lag)
+            LEVEL.labels(model).set(int(level))
+            states.append(state)
+        return states
+
+    async def _publish(self, state: HealthState, producer: AIOKafkaProducer, redis: aioredis.Redis) -> None:
+        data = state.pack()
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.set(health_key(state.model), data, px=max(5_000, int(self.interval_s * 10_000)))
+            pipe.publish(HEALTH_CHANNEL, data)
+            await pipe.execute()
+        await producer.send(HEALTH_TOPIC, data, key=state.model.encode())
+
+
+def _is_request_topic(topic: str) -> bool:
+    try:
+        parse_request_topic(topic)
+    except ValueError:
+        return False
+    return True
+
+
+__all__ = ["LagMonitor", "Level", "health_topic_spec"]

@@ -1,0 +1,58 @@
+"""The client's view of the health signal: the latest state per model, pushed over Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from topics import InvalidRequest, now_ms
+from topics.health import HEALTH_CHANNEL, HealthState
+
+log = logging.getLogger(__name__)
+
+STALE_MS = 10_000  # a state older than this is no signal at all (the monitor may be down)
+
+
+class HealthWatch:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._states: dict[str, HealthState] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name="kinfer-health-watch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def get(self, model: str) -> HealthState | None:
+        state = self._states.get(model)
+        if state is None or now_ms() - state.updated_ms > STALE_MS:
+            return None
+        return state
+
+    async def _watch(self) -> None:
+        while True:  # best effort: without Redis there is no signal, and admission falls back to throttling
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(HEALTH_CHANNEL)
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is None or msg.get("type") != "message":
+                        continue
+                    with contextlib.suppress(InvalidRequest):
+                        state = HealthState.unpack(msg["data"])
+                        self._states[state.model] = state
+            except (RedisError, OSError) as exc:
+                log.debug("health watch lost Redis: %s", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
