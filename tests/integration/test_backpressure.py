@@ -1,0 +1,78 @@
+"""Lag becomes a signal and producers obey it: refused at once, not enqueued to expire."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from ops.health import HealthPolicy
+from ops.lagmon import LagMonitor
+from ops.procs import wait_until_served
+from ops.stack import StackInfo
+from producers import Client
+from tests.integration.conftest import WorkerProcess
+from topics import Overloaded, Priority
+from topics.health import Level
+from topics.names import request_topic
+
+pytestmark = pytest.mark.integration
+
+
+async def end_offsets(bootstrap: str, topic: str) -> int:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in range(3)]
+        return sum((await consumer.end_offsets(parts)).values())
+    finally:
+        await consumer.stop()
+
+
+async def test_a_standing_backlog_makes_producers_refuse_before_enqueueing(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    # Capacity 10/s (one request per 100 ms batch); CoDel off, so the backlog stands.
+    spawn_worker(topics, "--family", "noop", "--option", "compute_ms=100", "--max-batch-size", "1",
+                 "--codel-target-ms", "inf")
+    monitor = LagMonitor(stack.bootstrap, stack.redis_url, models=[topics], interval_s=0.2,
+                         policy=HealthPolicy(min_dwell_s=1.0))
+    stop = asyncio.Event()
+    watching = asyncio.create_task(monitor.run(stop))
+    async with Client(stack.bootstrap, stack.redis_url, admission=False) as flood, \
+            Client(stack.bootstrap, stack.redis_url) as polite:
+        await wait_until_served(flood, topics)
+        backlog = [asyncio.create_task(flood.infer(topics, [f"b{i}"], priority=Priority.P2, deadline_ms=120_000))
+                   for i in range(150)]
+        try:
+            for _ in range(300):  # the monitor sees the standing queue within seconds
+                state = monitor.states.get(topics)
+                if state is not None and state.level >= Level.SHEDDING:
+                    break
+                await asyncio.sleep(0.1)
+            assert state is not None and state.level >= Level.SHEDDING, state
+            await asyncio.sleep(0.5)  # the notification reaches the polite client
+
+            p2_topic = request_topic(topics, Priority.P2)
+            before = await end_offsets(stack.bootstrap, p2_topic)
+            with pytest.raises(Overloaded) as refused:
+                await polite.infer(topics, ["more batch work"], priority=Priority.P2, deadline_ms=120_000)
+            assert refused.value.retry_after_s >= 1.0 and refused.value.level in ("shedding", "rejecting")
+            assert await end_offsets(stack.bootstrap, p2_topic) == before  # never enqueued
+
+            with pytest.raises(Overloaded, match="exceeds"):  # cannot make a 1 s deadline behind 15 s
+                await polite.infer(topics, ["urgent but hopeless"], priority=Priority.P0, deadline_ms=1_000)
+            ok = await polite.infer(topics, ["urgent, patient"], priority=Priority.P0, deadline_ms=60_000)
+            assert ok.ok  # p0 with a feasible deadline is admitted, and served ahead of the backlog
+            assert sum(t.done() for t in backlog) < 100
+        finally:
+            for t in backlog:
+                t.cancel()
+            for t in backlog:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            stop.set()
+            await watching
