@@ -27,6 +27,14 @@ class BatchRunner(Runner, Protocol):
         """One forward pass over a batch; one msgpack-able output per text, in order."""
 
 
+def estimate_tokens(text: str, max_length: int) -> int:
+    """WordPiece/BPE average about four characters a token in English; +2 for the special tokens.
+
+    An estimate is enough for batching: it shapes batches and reserves memory, it truncates nothing.
+    """
+    return min(max_length, 2 + -(-len(text) // 4))
+
+
 def pick_device(requested: str = "auto") -> str:
     """``auto`` picks CUDA when torch sees a GPU, else CPU. ``KINFER_DEVICE`` overrides ``auto``."""
     requested = os.environ.get("KINFER_DEVICE", requested) if requested == "auto" else requested

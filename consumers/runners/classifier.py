@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from consumers.runners.base import estimate_tokens
 
 
 class ClassifierRunner:
@@ -33,7 +34,7 @@ class ClassifierRunner:
         self.run(["warm up"] * 4)
 
     def count_tokens(self, text: str) -> int:
-        return min(self.max_length, 2 + math.ceil(len(text) / 4))
+        return estimate_tokens(text, self.max_length)
 
     @torch.inference_mode()
     def run(self, texts: list[str]) -> list[Any]:

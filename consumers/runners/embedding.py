@@ -6,12 +6,13 @@ That is the recipe all-MiniLM-L6-v2 was trained with (its ``1_Pooling`` config s
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModel, AutoTokenizer
+
+from consumers.runners.base import estimate_tokens
 
 
 class EmbeddingRunner:
@@ -35,9 +36,7 @@ class EmbeddingRunner:
             self.run([" ".join(["warmup"] * words)] * n)
 
     def count_tokens(self, text: str) -> int:
-        # WordPiece averages a little over one token a word in English; +2 for [CLS] and [SEP].
-        # An estimate is enough here: it only shapes batches, it does not truncate anything.
-        return min(self.max_length, 2 + math.ceil(len(text) / 4))
+        return estimate_tokens(text, self.max_length)
 
     @torch.inference_mode()
     def run(self, texts: list[str]) -> list[Any]:
