@@ -9,6 +9,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from producers.replies import stop_task
 from topics import InvalidRequest, now_ms
 from topics.health import HEALTH_CHANNEL, HealthState
 
@@ -28,9 +29,7 @@ class HealthWatch:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
 
     def get(self, model: str) -> HealthState | None:
         state = self._states.get(model)

@@ -20,6 +20,20 @@ from topics import Chunk, InvalidRequest, KinferError, ReplyRoute, Result, Route
 log = logging.getLogger(__name__)
 
 
+async def stop_task(task: asyncio.Task[None]) -> None:
+    """Cancel a reader task and wait for it, insisting.
+
+    On Python 3.11 a cancellation that lands as an ``asyncio.timeout`` inside redis-py's
+    ``get_message(timeout=...)`` expires can be swallowed (turned into a timeout), and the reader
+    loops on; one ``cancel()`` is then not enough, and awaiting the task would hang.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("reader task ended with %r", task.exception())
+
+
 class ReplyMux:
     """Owns the client's reply sources and hands each result to the caller waiting for it.
 
@@ -108,10 +122,7 @@ class ReplyMux:
 
     async def close(self) -> None:
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         with contextlib.suppress(RedisError, OSError):
             await self._pubsub.aclose()  # type: ignore[no-untyped-call]
         if self._kafka is not None:
