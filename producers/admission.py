@@ -54,16 +54,18 @@ def health_decision(
 class AdaptiveThrottle:
     """Requests and accepts counted over a sliding window (exponentially decayed, ``now`` passed in).
 
-    A request counts once its outcome is known — the backend took it, or refused it (shed, expired,
-    timed out). Counting requests still in flight would make a fresh client's first burst look
-    like failures and throttle it for nothing.
+    A request counts once its outcome is known — the backend took it, or refused it (shed,
+    expired). Counting requests still in flight would make a fresh client's first burst look like
+    failures; a client-side timeout says nothing about the backend's will (it may be starting), so
+    it does not count; and below ``min_requests`` outcomes there is too little evidence to refuse.
     """
 
-    def __init__(self, k: float = 2.0, window_s: float = 60.0) -> None:
+    def __init__(self, k: float = 2.0, window_s: float = 60.0, min_requests: float = 20.0) -> None:
         if k < 1.0:
             raise ValueError(f"k must be >= 1 (k = 1 refuses as soon as anything fails), got {k}")
         self.k = k
         self.window_s = window_s
+        self.min_requests = min_requests  # fewer outcomes than this are no evidence: never throttle
         self.requests = 0.0
         self.accepts = 0.0
         self._at = 0.0
@@ -77,6 +79,8 @@ class AdaptiveThrottle:
 
     def reject_probability(self, now: float) -> float:
         self._decay(now)
+        if self.requests < self.min_requests:
+            return 0.0
         return max(0.0, (self.requests - self.k * self.accepts) / (self.requests + 1.0))
 
     def decide(self, now: float, draw: float) -> Decision:

@@ -177,7 +177,6 @@ class Client:
             try:
                 result = await asyncio.wait_for(waiter, max(0.0, self._remaining_s(request)))
             except TimeoutError as exc:
-                self._throttle(model).record(time.monotonic(), accepted=False)
                 raise DeadlineExceeded(f"{model}/{request.id}: no reply by the deadline") from exc
         finally:
             self._replies.forget(request.id)

@@ -47,6 +47,14 @@ def test_adaptive_throttling_follows_the_formula() -> None:
     assert t.decide(0.0, draw=0.9).admit  # still lets some through, to notice recovery
 
 
+def test_a_few_failures_are_no_evidence() -> None:
+    t = AdaptiveThrottle(min_requests=20)
+    for _ in range(5):  # e.g. a worker still starting
+        t.record(0.0, accepted=False)
+    t.record(0.0, accepted=True)
+    assert t.reject_probability(0.0) == 0.0
+
+
 def test_adaptive_throttling_forgets_with_time() -> None:
     t = AdaptiveThrottle(window_s=10.0)
     for _ in range(100):
