@@ -99,6 +99,13 @@ def _alive(pid: int, needle: str) -> bool:
 
 
 def _stop(pid: int, needle: str, timeout_s: float = 30.0) -> None:
+    try:
+        _terminate(pid, needle, timeout_s)
+    finally:
+        _reap(pid)  # a child of ours that exited is a zombie until polled (and Popen warns about it)
+
+
+def _terminate(pid: int, needle: str, timeout_s: float) -> None:
     if not _alive(pid, needle):
         return
     try:
