@@ -14,7 +14,7 @@ from typing import Any, cast
 from consumers.runners import BatchRunner, build_runner, resolve_model
 from consumers.runners.generator import GenInput, Sampling
 from consumers.runners.registry import minilm_path
-from ops.load import make_texts, open_loop, percentile
+from ops.load import make_texts, open_loop, paced, percentile
 from ops.procs import scrape, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
@@ -313,13 +313,17 @@ async def _gateway_runs(
                 await asyncio.sleep(0.1)
         library = await open_loop(client, model, texts, rate, poisson=True, deadline_ms=10_000)
 
-        async def over_http(text: str) -> float:
-            t0 = time.perf_counter()
+        async def over_http(text: str) -> None:
             r = await http.post(f"/v1/models/{model}/infer", json={"inputs": [text]})
             r.raise_for_status()
-            return (time.perf_counter() - t0) * 1000
 
-        http_ms = await _open_loop_http(over_http, texts, rate)
+        http_ms: list[float] = []
+
+        async def timed(text: str, scheduled: float) -> None:
+            await over_http(text)
+            http_ms.append((time.monotonic() - scheduled) * 1000)
+
+        await paced(texts, rate, timed, poisson=True, seed=5)
 
         done = 0
         stop_at = time.perf_counter() + seconds
@@ -342,25 +346,3 @@ async def _gateway_runs(
                  "max_rps": round(done / elapsed, 1), "concurrency": concurrency},
         "added_p50_ms": round(http_p50 - lib_p50, 2),
     }
-
-
-async def _open_loop_http(call: Any, texts: list[str], rate: float) -> list[float]:
-    """Requests on a Poisson schedule; latency from the scheduled send time."""
-    rng = random.Random(5)
-    latencies: list[float] = []
-    start = time.perf_counter()
-    at = 0.0
-
-    async def one(text: str, scheduled: float) -> None:
-        await call(text)
-        latencies.append((time.perf_counter() - scheduled) * 1000)
-
-    tasks = []
-    for text in texts:
-        delay = start + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(text, start + at)))
-        at += rng.expovariate(rate)
-    await asyncio.gather(*tasks)
-    return latencies

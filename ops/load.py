@@ -11,11 +11,14 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from producers import Client
 from topics import KinferError, Priority, Result
+
+T = TypeVar("T")
 
 _WORDS = """
 kafka broker partition offset consumer group batch window latency deadline priority tenant embedding
@@ -74,6 +77,26 @@ class LoadReport:
         return Counter(o.status for o in self.outcomes)
 
 
+async def paced(
+    items: Sequence[T], rate: float, one: Callable[[T, float], Awaitable[None]], *, poisson: bool = False,
+    seed: int = 11,
+) -> float:
+    """Start ``one(item, scheduled_at)`` for each item on schedule (evenly spaced, or Poisson arrivals
+    at ``rate``), without waiting for earlier ones; returns the seconds until all have finished.
+    ``scheduled_at`` is on ``time.monotonic()``: measure latency from it."""
+    rng = random.Random(seed)
+    start = at = time.monotonic()
+    tasks: list[asyncio.Task[None]] = []
+    for item in items:
+        delay = at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(item, at)))  # type: ignore[arg-type]
+        at += rng.expovariate(rate) if poisson else 1.0 / rate
+    await asyncio.gather(*tasks)
+    return time.monotonic() - start
+
+
 async def open_loop(
     client: Client,
     model: str,
@@ -85,10 +108,8 @@ async def open_loop(
     deadline_ms: int = 10_000,
     seed: int = 11,
 ) -> LoadReport:
-    """Send one request per text at ``rate`` per second (evenly spaced, or Poisson arrivals)."""
-    rng = random.Random(seed)
+    """Send one request per text through the client library, on schedule."""
     report = LoadReport()
-    start = time.monotonic()
 
     async def one(text: str, scheduled: float) -> None:
         try:
@@ -99,14 +120,5 @@ async def open_loop(
         outcome.latency_ms = (time.monotonic() - scheduled) * 1000.0
         report.outcomes.append(outcome)
 
-    tasks: list[asyncio.Task[None]] = []
-    at = start
-    for text in texts:
-        delay = at - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(text, at)))
-        at += rng.expovariate(rate) if poisson else 1.0 / rate
-    await asyncio.gather(*tasks)
-    report.elapsed_s = time.monotonic() - start
+    report.elapsed_s = await paced(texts, rate, one, poisson=poisson, seed=seed)
     return report

@@ -11,7 +11,7 @@
     └── Unavailable              Kafka or Redis could not be reached
 
 The worker reports outcomes as a result ``status`` (see ``topics.envelope.Status``);
-``error_for_result`` turns a non-ok result into the matching exception on the client side.
+``Result.raise_for_status()`` turns a non-ok result into the matching exception on the client side.
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ def estimate_tokens(text: str, max_length: int) -> int:
     return min(max_length, 2 + -(-len(text) // 4))
 
 
+def encode(tokenizer: Any, texts: list[str], max_length: int, device: str) -> Any:
+    """A padded, truncated batch of ``texts`` as tensors on ``device`` (encoder families)."""
+    return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+
+
 def pick_device(requested: str = "auto") -> str:
     """``auto`` picks CUDA when torch sees a GPU, else CPU. ``KINFER_DEVICE`` overrides ``auto``."""
     requested = os.environ.get("KINFER_DEVICE", requested) if requested == "auto" else requested

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from consumers.runners.base import estimate_tokens
+from consumers.runners.base import encode, estimate_tokens
 
 
 class ClassifierRunner:
@@ -38,9 +38,7 @@ class ClassifierRunner:
 
     @torch.inference_mode()
     def run(self, texts: list[str]) -> list[Any]:
-        enc = self._tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        ).to(self.device)
+        enc = encode(self._tokenizer, texts, self.max_length, self.device)
         probs = torch.softmax(self._model(**enc).logits.float(), dim=-1).cpu()
         k = min(self.top_k, probs.shape[-1])
         top = probs.topk(k, dim=-1)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from consumers.runners.base import estimate_tokens
+from consumers.runners.base import encode, estimate_tokens
 
 
 class EmbeddingRunner:
@@ -40,9 +40,7 @@ class EmbeddingRunner:
 
     @torch.inference_mode()
     def run(self, texts: list[str]) -> list[Any]:
-        enc = self._tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        ).to(self.device)
+        enc = encode(self._tokenizer, texts, self.max_length, self.device)
         hidden = self._model(**enc).last_hidden_state
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
