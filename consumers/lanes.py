@@ -88,6 +88,7 @@ class GenLane(Lane):
     worker_id: str = ""
     drops: list[str] = field(default_factory=list)  # evicted, still to be removed from the runner's batch
     spec_seen: tuple[int, int] = (0, 0)  # speculation counters already exported (proposed, accepted)
+    step_s: float = 0.0  # smoothed duration of a step: when a co-located lane's batch could start
 
     @property
     def model_runner(self) -> Runner:

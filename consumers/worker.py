@@ -44,6 +44,7 @@ from consumers.lanes import BatchLane, GenLane, Job, Lane
 from consumers.replies import ReplySink
 from consumers.runners import BatchRunner, ModelSpec, Runner, build_runner
 from consumers.runners.generator import GeneratorRunner
+from consumers.telemetry import StatsReporter
 from topics import (
     DEFAULT_LIMITS,
     Chunk,
@@ -135,6 +136,7 @@ class Worker:
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._sink: ReplySink | None = None
+        self.stats = StatsReporter(settings.worker_id)
 
     def _lane(self, spec: ModelSpec, runner: Runner) -> Lane:
         if isinstance(runner, GeneratorRunner):
@@ -187,6 +189,7 @@ class Worker:
                     tg.create_task(self._fetch_loop(lane))
                 tg.create_task(self._dispatch_loop())
                 tg.create_task(self._commit_loop())
+                tg.create_task(self.stats.run(producer, self._drained))
                 if any(isinstance(lane, GenLane) for lane in self.lanes.values()):
                     tg.create_task(self._cancel_loop(redis))
         finally:
@@ -359,6 +362,7 @@ class Worker:
                     self._reply(lane, ended)
                     self._gen_gauges(lane)
                 if lane.runnable(plan):
+                    self._free_at = now + lane.step_s
                     self._computing = self._spawn(self._generate(lane, plan))
                     return
             else:
@@ -378,6 +382,7 @@ class Worker:
         for d in dropped:
             job = d.pending.payload
             metrics.SHED.labels(lane.name, job.request.priority.label, d.reason.value).inc()
+            self.stats.shed(lane.name, d.reason.value)
             error = _SHED_TEXT[d.reason]
             replies.append((job, self._result(lane, job, _SHED_STATUS[d.reason], error=error)))
         self._reply(lane, replies)
@@ -393,12 +398,14 @@ class Worker:
             log.exception("%s: generation step failed; failing its sequences", lane.name)
             raise  # the runner's batch is in an unknown state: let the worker die and redeliver
         took = time.monotonic() - started
+        lane.step_s += 0.2 * (took - lane.step_s)  # when the next step's co-located work can start
         self._fair.charge(lane.name, took)
         metrics.GEN_STEP.labels(lane.name).observe(took)
         metrics.SPEC_PROPOSED.labels(lane.name).inc(lane.runner.spec_proposed - lane.spec_seen[0])
         metrics.SPEC_ACCEPTED.labels(lane.name).inc(lane.runner.spec_accepted - lane.spec_seen[1])
         lane.spec_seen = (lane.runner.spec_proposed, lane.runner.spec_accepted)
         metrics.GEN_TOKENS.labels(lane.name).inc(len(events))
+        self.stats.batch(lane.name, len(lane.scheduler.running), len(admit), len(events), took)
         batch = lane.runner.batch
         if batch is not None and batch.cache_tokens:
             metrics.KV_PADDING.labels(lane.name).observe(1.0 - batch.real_tokens / batch.cache_tokens)
@@ -429,6 +436,8 @@ class Worker:
         lane.batcher.observe(batch, took)
         self._fair.charge(lane.name, took)
         self._observe(lane, batch, started, took)
+        self.stats.batch(lane.name, len(texts), len(jobs), batch.real_tokens, took, batch.predicted_s,
+                         errors=len(jobs) if error is not None else 0)
         replies, i = [], 0
         for job in jobs:
             n = len(job.request.inputs)

@@ -173,6 +173,15 @@ def cmd_lagmon(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_telemetry(args: argparse.Namespace) -> int:
+    from ops.telemetry import run
+
+    bootstrap, redis_url = resolve_endpoints()
+    run(bootstrap, redis_url, window_s=args.window_s, publish_s=args.publish_s, app_id=args.app_id,
+        loglevel="debug" if args.verbose else "warning")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ops.demo import run_demo
 
@@ -267,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--interval-s", type=float, default=0.5)
     m.add_argument("--metrics-port", type=int)
     m.set_defaults(func=cmd_lagmon)
+
+    tl = sub.add_parser("telemetry", help="the telemetry stream processor (faust): windowed per-model tables")
+    tl.add_argument("--window-s", type=float, default=10.0, help="tumbling window length")
+    tl.add_argument("--publish-s", type=float, default=1.0, help="how often summaries go to Redis")
+    tl.add_argument("--app-id", default="kinfer-telemetry", help="consumer group and changelog topic prefix")
+    tl.set_defaults(func=cmd_telemetry)
 
     d = sub.add_parser("demo", help="start everything, send a steady stream of requests, report latency, stop")
     d.add_argument("--requests", type=int, default=300)

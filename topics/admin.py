@@ -12,6 +12,7 @@ from aiokafka.errors import KafkaError
 
 from topics.errors import Unavailable
 from topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, request_topics
+from topics.stats import STATS_TOPIC
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,14 @@ def model_topic_specs(model: str, partitions: int, replication: int = 1) -> list
 
 
 def shared_topic_specs(replication: int = 1, reply_partitions: int = 3) -> list[TopicSpec]:
-    """The topics every deployment needs: the dead-letter topic and the default reply topic."""
+    """The topics every deployment needs: the dead-letter topic, the default reply topic, telemetry."""
     return [
         TopicSpec(DLQ_TOPIC, 1, replication, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
         # Replies matter for seconds: keep an hour, so a reconnecting client cannot drown in them.
         TopicSpec(DEFAULT_REPLY_TOPIC, reply_partitions, replication, {"retention.ms": str(3600 * 1000)}),
+        # Batch statistics feed windowed tables; a day is plenty to rebuild them. One partition: one
+        # telemetry processor sees every model (its tables are small).
+        TopicSpec(STATS_TOPIC, 1, replication, {"retention.ms": str(24 * 3600 * 1000)}),
     ]
 
 

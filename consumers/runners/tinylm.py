@@ -8,9 +8,10 @@ of a real model — KV cache, attention masks, position ids, EOS — is exercise
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
 
 from consumers.runners.registry import minilm_path
 
@@ -34,7 +35,8 @@ def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    auto: Any = AutoModelForCausalLM  # untyped in some transformers releases
+    model = auto.from_config(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -44,7 +46,7 @@ def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 
 def build_tiny_classifier(path: Path, labels: tuple[str, ...] = ("negative", "neutral", "positive"),
                           seed: int = 0) -> Path:
     """A small BERT sequence classifier (random weights) with MiniLM's tokenizer, written to ``path``."""
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertConfig
 
     if (path / "config.json").exists():
         return path
@@ -57,6 +59,7 @@ def build_tiny_classifier(path: Path, labels: tuple[str, ...] = ("negative", "ne
     config.label2id = {name: i for i, name in enumerate(labels)}
     torch.manual_seed(seed)
     path.mkdir(parents=True, exist_ok=True)
-    BertForSequenceClassification(config).save_pretrained(path)
+    auto: Any = AutoModelForSequenceClassification
+    auto.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

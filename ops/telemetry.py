@@ -1,0 +1,132 @@
+"""``kinfer telemetry``: the telemetry stream processor (faust-streaming).
+
+Consumes the workers' per-batch records from ``kinfer.stats`` and keeps, per model, tumbling-window
+tables of inputs served, batches, compute time by batch size, and sheds by reason, plus a running
+total. Every table is backed by a changelog topic, so a restarted processor rebuilds its state from
+Kafka and goes on counting where it stopped. Every ``publish_s`` it writes one ``ModelStats``
+summary per model to Redis (``kinfer:stats:<model>``) from the current and the previous window;
+the lag monitor adds its service time to the health state, and ``kinfer status`` prints it.
+
+Processing is at least once (faust's default): a record that was being processed when the
+processor died or its partitions moved can be counted twice. Telemetry tolerates that; requests
+never depend on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import faust
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from batcher import Reason
+from topics import InvalidRequest
+from topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+SHED_REASONS = tuple(r.value for r in Reason)
+
+
+def summarize(model: str, window_s: float, elapsed_s: float, windows: dict[str, Any], total: int) -> ModelStats:
+    """One model's summary from its last two windows (pure).
+
+    ``windows`` maps each measure to the sum of the current and the previous window: "inputs",
+    "batches", "service_n" and "service_ms" (dicts by size bucket), "shed" (dict by reason).
+    ``elapsed_s`` is how far the current window has run, so the span covered is ``window_s +
+    elapsed_s``.
+    """
+    span = window_s + elapsed_s
+    batches = windows["batches"]
+    n_total = sum(windows["service_n"].values())
+    return ModelStats(
+        model=model, window_s=window_s,
+        inputs_rps=round(windows["inputs"] / span, 3), batches_rps=round(batches / span, 3),
+        mean_batch=round(windows["inputs"] / batches, 3) if batches else 0.0,
+        service_ms=round(sum(windows["service_ms"].values()) / n_total, 3) if n_total else 0.0,
+        service_ms_by_size={b: round(windows["service_ms"][b] / n, 3)
+                            for b, n in windows["service_n"].items() if n},
+        shed={r: n for r, n in windows["shed"].items() if n}, inputs_total=total,
+        updated_ms=int(time.time() * 1000),
+    )
+
+
+def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: float = 1.0,
+              app_id: str = "kinfer-telemetry", data_dir: str | None = None) -> faust.App:
+    app = faust.App(
+        app_id, broker=f"kafka://{bootstrap}", store="memory://", topic_partitions=1, topic_replication_factor=1,
+        web_enabled=False, datadir=data_dir or f"/tmp/{app_id}-data", producer_acks=-1,
+    )
+    source = app.topic(STATS_TOPIC, key_serializer="raw", value_serializer="raw")
+    keep = timedelta(seconds=window_s * 6)
+
+    def windowed(name: str, default: type) -> Any:
+        return app.Table(name, default=default).tumbling(window_s, expires=keep)
+
+    inputs = windowed("inputs", int)  # model -> inputs served
+    batches = windowed("batches", int)  # model -> batches
+    service_n = windowed("service-n", int)  # "model|bucket" -> batches of that size
+    service_ms = windowed("service-ms", float)  # "model|bucket" -> compute ms of those batches
+    shed = windowed("shed", int)  # "model|reason" -> requests refused
+    totals = app.Table("totals", default=int)  # model -> inputs since the beginning (and the set of models)
+    redis = aioredis.Redis.from_url(redis_url)
+
+    @app.agent(source)
+    async def aggregate(stream: Any) -> None:
+        async for value in stream:
+            try:
+                s = BatchStats.unpack(value)
+            except InvalidRequest as exc:
+                log.warning("skipping a malformed stats record: %s", exc)
+                continue
+            if s.size:
+                key = f"{s.model}|{size_bucket(s.size)}"
+                inputs[s.model] += s.size
+                batches[s.model] += 1
+                service_n[key] += 1
+                service_ms[key] += s.compute_ms
+            for reason, n in s.shed.items():
+                shed[f"{s.model}|{reason}"] += n
+            totals[s.model] += s.size
+
+    def both(table: Any, key: str, now: float) -> Any:
+        """The current window's value plus the previous one's."""
+        window = table.table.window
+        return sum(table[key][window.current(t)] for t in (now, now - window_s))
+
+    async def publish() -> None:
+        now = time.time()
+        elapsed = now - table_start(inputs, now)
+        for model in list(totals.keys()):
+            windows = {
+                "inputs": both(inputs, model, now), "batches": both(batches, model, now),
+                "service_n": {b: both(service_n, f"{model}|{b}", now) for b in BUCKETS},
+                "service_ms": {b: both(service_ms, f"{model}|{b}", now) for b in BUCKETS},
+                "shed": {r: both(shed, f"{model}|{r}", now) for r in SHED_REASONS},
+            }
+            summary = summarize(model, window_s, elapsed, windows, totals[model])
+            try:
+                await redis.set(stats_key(model), summary.pack(), px=int(max(30.0, window_s * 6) * 1000))
+            except (RedisError, OSError) as exc:
+                log.warning("telemetry: Redis unreachable: %s", exc)
+                return
+
+    app.timer(interval=publish_s)(publish)
+    return app
+
+
+def table_start(table: Any, now: float) -> float:
+    start: float = table.table.window.current(now)[0]
+    return start
+
+
+def run(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: float = 1.0,
+        app_id: str = "kinfer-telemetry", loglevel: str = "warning") -> None:
+    """Run the processor until SIGTERM/SIGINT (then it commits and leaves its group)."""
+    app = build_app(bootstrap, redis_url, window_s=window_s, publish_s=publish_s, app_id=app_id)
+    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

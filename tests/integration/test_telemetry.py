@@ -1,0 +1,140 @@
+"""The telemetry stream: workers report every batch, the faust processor keeps windowed per-model
+tables, publishes summaries to Redis, and survives a restart without forgetting what it counted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from ops.stack import StackInfo
+from producers import Client
+from tests.integration.conftest import WorkerProcess
+from topics import now_ms
+from topics.stats import STATS_TOPIC, BatchStats, ModelStats, stats_key
+
+pytestmark = pytest.mark.integration
+
+
+class Telemetry:
+    """A real ``kinfer telemetry`` process with its own app id (consumer group, changelog topics)."""
+
+    def __init__(self, stack: StackInfo, log_dir: Path, app_id: str) -> None:
+        self.stack, self.log_path, self.app_id = stack, log_dir / f"{app_id}.log", app_id
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, **self.stack.env()}
+        cmd = [sys.executable, "-m", "ops.cli", "telemetry", "--app-id", self.app_id, "--window-s", "120",
+               "--publish-s", "0.3"]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+
+async def wait_summary(stack: StackInfo, model: str, done: Callable[[ModelStats], bool],
+                       telemetry: Telemetry, timeout_s: float = 120.0) -> ModelStats:
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    deadline = time.monotonic() + timeout_s
+    last = None
+    try:
+        while True:
+            data = await redis.get(stats_key(model))
+            if data is not None:
+                last = ModelStats.unpack(data)
+                if done(last):
+                    return last
+            assert telemetry.proc is not None and telemetry.proc.poll() is None, telemetry.log()
+            assert time.monotonic() < deadline, f"summary never matched; last: {last}\n{telemetry.log()}"
+            await asyncio.sleep(0.2)
+    finally:
+        await redis.aclose()
+
+
+async def publish(stack: StackInfo, records: list[BatchStats]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all")
+    await producer.start()
+    try:
+        for r in records:
+            await producer.send_and_wait(STATS_TOPIC, r.pack(), key=r.model.encode())
+    finally:
+        await producer.stop()
+
+
+async def test_windowed_tables_survive_a_restart(stack: StackInfo, tmp_path: Path) -> None:
+    model = f"tele-{uuid.uuid4().hex[:8]}"
+    telemetry = Telemetry(stack, tmp_path, f"kinfer-telemetry-test-{uuid.uuid4().hex[:6]}")
+    telemetry.start()
+    try:
+        def batch(size: int, ms: float, **shed: int) -> BatchStats:
+            return BatchStats(model, "w1", now_ms(), size=size, requests=size, tokens=size * 8, compute_ms=ms,
+                              shed=dict(shed))
+
+        await publish(stack, [batch(1, 10.0), batch(1, 12.0), batch(8, 40.0), batch(0, 0.0, codel=3, expired=2)])
+        first = await wait_summary(stack, model, lambda s: s.inputs_total == 10, telemetry)
+        assert first.service_ms_by_size == {1: 11.0, 8: 40.0}
+        assert first.shed == {"codel": 3, "expired": 2}
+        assert first.mean_batch == pytest.approx(10 / 3, abs=1e-3)
+        assert first.inputs_rps > 0
+
+        assert telemetry.stop() == 0  # graceful: commits, leaves the group
+        restarted = now_ms()
+        telemetry.start()
+        # The restarted processor rebuilt its tables from the changelogs before it publishes again.
+        await wait_summary(stack, model, lambda s: s.updated_ms > restarted + 1000 and s.inputs_total == 10, telemetry)
+        await publish(stack, [batch(8, 44.0, codel=1)])
+        # ... and adds to what it had.
+        after = await wait_summary(stack, model, lambda s: s.inputs_total == 18, telemetry)
+        assert after.service_ms_by_size == {1: 11.0, 8: 42.0}
+        assert after.shed == {"codel": 4, "expired": 2}
+    finally:
+        if telemetry.proc is not None and telemetry.proc.poll() is None:
+            telemetry.stop()
+
+
+async def test_workers_report_every_batch_they_run(
+    stack: StackInfo, topics: str, client: Client, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    tp = TopicPartition(STATS_TOPIC, 0)
+    consumer.assign([tp])
+    start = (await consumer.end_offsets([tp]))[tp]
+    consumer.seek(tp, start)
+    worker = spawn_worker(topics, "--family", "noop")
+    try:
+        results = await asyncio.gather(*(client.infer(topics, [f"text {i}", "b"], deadline_ms=60_000)
+                                         for i in range(30)))
+        assert all(r.outputs for r in results)
+        seen: list[BatchStats] = []
+        deadline = time.monotonic() + 30
+        while sum(s.requests for s in seen) < 30:
+            assert time.monotonic() < deadline, f"stats for {sum(s.requests for s in seen)} of 30 requests"
+            for records in (await consumer.getmany(tp, timeout_ms=500)).values():
+                seen += [s for r in records if (s := BatchStats.unpack(r.value or b"")).model == topics]
+        assert sum(s.requests for s in seen) == 30
+        assert sum(s.size for s in seen) == 60  # two inputs each
+        assert all(s.worker == worker.worker_id and s.compute_ms >= 0 for s in seen)
+    finally:
+        await consumer.stop()
+        worker.stop()
