@@ -182,6 +182,25 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import redis.asyncio as aioredis
+
+    from ops.status import render, snapshot
+
+    _, redis_url = resolve_endpoints()
+
+    async def main() -> Any:
+        redis = aioredis.Redis.from_url(redis_url)
+        try:
+            return await snapshot(redis, args.decisions)
+        finally:
+            await redis.aclose()
+
+    snap = asyncio.run(main())
+    print(json.dumps(snap.to_json()) if args.json else render(snap))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ops.demo import run_demo
 
@@ -282,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--publish-s", type=float, default=1.0, help="how often summaries go to Redis")
     tl.add_argument("--app-id", default="kinfer-telemetry", help="consumer group and changelog topic prefix")
     tl.set_defaults(func=cmd_telemetry)
+
+    st = sub.add_parser("status", help="per model: lag, rates, level, throughput, sheds; recent decisions")
+    st.add_argument("--decisions", type=int, default=10, help="how many level changes to show")
+    st.add_argument("--json", action="store_true", help="one JSON object")
+    st.set_defaults(func=cmd_status)
 
     d = sub.add_parser("demo", help="start everything, send a steady stream of requests, report latency, stop")
     d.add_argument("--requests", type=int, default=300)

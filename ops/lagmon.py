@@ -1,10 +1,11 @@
 """``kinfer lagmon``: consumer lag → a health state per model, published for producers to obey.
 
 Every ``interval_s``: for each model, the log-end offsets of its request topics and the committed
-offsets of its consumer group give the lag (records waiting) and, over time, arrival and drain
-rates; ``HealthEstimator`` turns them into a level with smoothing and hysteresis. The state goes to
-a Redis hash (``kinfer:health:<model>``), a pub/sub notification (``kinfer:health``) and the
-compacted topic ``kinfer.health`` keyed by model.
+offsets of its consumer group give the lag (records waiting, per priority) and, over time, arrival
+and drain rates; ``HealthEstimator`` turns them into a level with smoothing and hysteresis, and the
+telemetry stream's summary adds the model's service time. The state goes to a Redis key
+(``kinfer:health:<model>``), a pub/sub notification (``kinfer:health``) and the compacted topic
+``kinfer.health`` keyed by model; every level change is also kept in ``kinfer:decisions``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,20 @@ from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
 from ops.health import HealthEstimator, HealthPolicy
-from topics import now_ms
+from topics import InvalidRequest, now_ms
 from topics.admin import TopicSpec, ensure_topics
-from topics.health import HEALTH_CHANNEL, HEALTH_TOPIC, HealthState, Level, health_key
+from topics.health import (
+    DECISIONS_KEPT,
+    DECISIONS_KEY,
+    HEALTH_CHANNEL,
+    HEALTH_TOPIC,
+    HealthState,
+    Level,
+    LevelChange,
+    health_key,
+)
 from topics.names import consumer_group, parse_request_topic, request_topics
+from topics.stats import ModelStats, stats_key
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,18 @@ class LagMonitor:
     policy: HealthPolicy = field(default_factory=HealthPolicy)
     states: dict[str, HealthState] = field(default_factory=dict)
     _estimators: dict[str, HealthEstimator] = field(default_factory=dict)
+    _changes: list[LevelChange] = field(default_factory=list)  # not yet recorded in Redis
+
+    @staticmethod
+    async def _service_ms(redis: aioredis.Redis | None, model: str) -> float:
+        """The model's recent batch compute time, from the telemetry stream (0 when it is not running)."""
+        if redis is None:
+            return 0.0
+        try:
+            data = await redis.get(stats_key(model))
+            return ModelStats.unpack(data).service_ms if isinstance(data, bytes) else 0.0
+        except (RedisError, OSError, InvalidRequest):
+            return 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_topics(self.bootstrap, [health_topic_spec()])
@@ -61,7 +84,7 @@ class LagMonitor:
         try:
             while not stop.is_set():
                 try:
-                    for state in await self.poll(admin, consumer):
+                    for state in await self.poll(admin, consumer, redis):
                         await self._publish(state, producer, redis)
                 except (KafkaError, RedisError, OSError) as exc:
                     log.warning("lag poll failed, retrying: %s", exc)
@@ -73,7 +96,9 @@ class LagMonitor:
             await admin.close()
             await redis.aclose()
 
-    async def poll(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer) -> list[HealthState]:
+    async def poll(
+        self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, redis: aioredis.Redis | None = None
+    ) -> list[HealthState]:
         models = self.models or sorted({parse_request_topic(t)[0] for t in await admin.list_topics()
                                         if _is_request_topic(t)})
         states = []
@@ -86,18 +111,25 @@ class LagMonitor:
             ends = await consumer.end_offsets(parts)
             committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=parts)
             done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in parts}
-            lag = sum(max(0, ends[tp] - done[tp]) for tp in parts)
+            by_priority = [0, 0, 0]
+            for tp in parts:
+                by_priority[int(parse_request_topic(tp.topic)[1])] += max(0, ends[tp] - done[tp])
+            lag = sum(by_priority)
             estimator = self._estimators.setdefault(model, HealthEstimator(self.policy))
             level = estimator.observe(time.monotonic(), lag, sum(ends.values()), sum(done.values()))
             state = HealthState(
                 model=model, level=level, predicted_wait_ms=round(estimator.wait_ms, 1),
                 retry_after_ms=estimator.retry_after_ms(), lag=lag, arrival_rps=round(estimator.arrival_rps, 2),
                 drain_rps=round(estimator.drain_rps, 2), updated_ms=now_ms(),
+                lag_by_priority=(by_priority[0], by_priority[1], by_priority[2]),
+                service_ms=await self._service_ms(redis, model),
             )
             previous = self.states.get(model)
             if previous is None or previous.level != level:
                 LEVEL_CHANGES.labels(model, level.name.lower()).inc()
                 log.info("%s: %s (lag %d, predicted wait %.0f ms)", model, level.name, lag, estimator.wait_ms)
+                self._changes.append(LevelChange(state.updated_ms, model, previous.level if previous else None,
+                                                 level, lag, state.predicted_wait_ms))
             self.states[model] = state
             LAG.labels(model).set(lag)
             LEVEL.labels(model).set(int(level))
@@ -106,10 +138,16 @@ class LagMonitor:
 
     async def _publish(self, state: HealthState, producer: AIOKafkaProducer, redis: aioredis.Redis) -> None:
         data = state.pack()
+        changes = [c for c in self._changes if c.model == state.model]
         async with redis.pipeline(transaction=False) as pipe:
             pipe.set(health_key(state.model), data, px=max(5_000, int(self.interval_s * 10_000)))
             pipe.publish(HEALTH_CHANNEL, data)
+            for change in changes:
+                pipe.lpush(DECISIONS_KEY, change.pack())
+            if changes:
+                pipe.ltrim(DECISIONS_KEY, 0, DECISIONS_KEPT - 1)
             await pipe.execute()
+        self._changes = [c for c in self._changes if c.model != state.model]
         await producer.send(HEALTH_TOPIC, data, key=state.model.encode())
 
 

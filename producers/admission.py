@@ -23,30 +23,37 @@ from topics.health import HealthState, Level
 @dataclass(frozen=True, slots=True)
 class Decision:
     admit: bool
-    reason: str = ""  # why not
+    reason: str = ""  # why not, for people
     retry_after_s: float = 0.0
+    cause: str = ""  # why not, for metrics: "level", "deadline" or "throttle"
 
 
 ADMIT = Decision(True)
 
 
 def health_decision(
-    health: HealthState | None, priority: Priority, deadline_in_ms: float, service_ms: float
+    health: HealthState | None, priority: Priority, deadline_in_ms: float, service_ms: float | None = None
 ) -> Decision:
-    """What the health signal says about one request (None: no signal, admit)."""
+    """What the health signal says about one request (None: no signal, admit).
+
+    ``service_ms`` defaults to the model's recent batch compute time, from the state.
+    """
     if health is None:
         return ADMIT
     retry = health.retry_after_ms / 1000.0
     if health.level >= Level.REJECTING and priority > Priority.P0:
-        return Decision(False, f"{health.model} is rejecting {priority.label}", retry)
+        return Decision(False, f"{health.model} is rejecting {priority.label}", retry, "level")
     if health.level >= Level.SHEDDING and priority >= Priority.P2:
-        return Decision(False, f"{health.model} is shedding {priority.label}", retry)
-    if health.predicted_wait_ms + service_ms > deadline_in_ms:
+        return Decision(False, f"{health.model} is shedding {priority.label}", retry, "level")
+    wait_ms = health.predicted_wait_ms
+    service_ms = health.service_ms if service_ms is None else service_ms
+    if wait_ms + service_ms > deadline_in_ms:
         return Decision(
             False,
-            f"{health.model}: predicted wait {health.predicted_wait_ms:.0f} ms + service {service_ms:.0f} ms "
+            f"{health.model}: predicted wait {wait_ms:.0f} ms + service {service_ms:.0f} ms "
             f"exceeds the {deadline_in_ms:.0f} ms deadline",
             retry,
+            "deadline",
         )
     return ADMIT
 
@@ -89,7 +96,7 @@ class AdaptiveThrottle:
         p = self.reject_probability(now)
         if draw < p:
             self.requests += 1.0
-            return Decision(False, f"adaptive throttling: refusing {p:.0%} of requests locally", 1.0)
+            return Decision(False, f"adaptive throttling: refusing {p:.0%} of requests locally", 1.0, "throttle")
         return ADMIT
 
     def record(self, now: float, accepted: bool) -> None:

@@ -29,6 +29,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
+from producers import metrics
 from producers.admission import AdaptiveThrottle, health_decision
 from producers.health import HealthWatch
 from producers.replies import ReplyMux
@@ -281,12 +282,14 @@ class Client:
         if not self.settings.admission:
             return
         health = self._health.get(request.model)
-        decision = health_decision(health, request.priority, request.deadline_ms - now_ms(), 0.0)
+        decision = health_decision(health, request.priority, request.deadline_ms - now_ms())
         if decision.admit and request.priority > Priority.P0:  # interactive work is never throttled locally
             decision = self._throttle(request.model).decide(time.monotonic(), random.random())
         if not decision.admit:
+            metrics.REFUSED.labels(request.model, request.priority.label, decision.cause).inc()
             level = health.level.name.lower() if health is not None else None
             raise Overloaded(f"{request.model}: {decision.reason}", decision.retry_after_s, level)
+        metrics.ADMITTED.labels(request.model, request.priority.label).inc()
 
     async def _publish(self, topic: str, data: bytes) -> None:
         try:

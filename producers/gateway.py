@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from producers import metrics
 from producers.client import Client
 from producers.tenants import Tenant, Tenants
 from topics import (
@@ -358,6 +359,7 @@ def chunk_json(chunk: Chunk) -> dict[str, Any]:
 
 def error_payload(exc: KinferError) -> tuple[int, dict[str, Any], dict[str, str]]:
     code = next((c for t, c in _STATUS if isinstance(exc, t)), 500)
+    metrics.GATEWAY_ERRORS.labels(str(code), type(exc).__name__).inc()
     headers: dict[str, str] = {}
     retry = getattr(exc, "retry_after_s", None)
     if retry is None and code in (429, 503):

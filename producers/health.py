@@ -9,6 +9,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from producers import metrics
 from producers.replies import stop_task
 from topics import InvalidRequest, now_ms
 from topics.health import HEALTH_CHANNEL, HealthState
@@ -48,6 +49,10 @@ class HealthWatch:
                         continue
                     with contextlib.suppress(InvalidRequest):
                         state = HealthState.unpack(msg["data"])
+                        previous = self._states.get(state.model)
+                        if previous is None or previous.level != state.level:
+                            metrics.LEVEL_CHANGES_SEEN.labels(state.model, state.level.name.lower()).inc()
+                            metrics.LEVEL_SEEN.labels(state.model).set(int(state.level))
                         self._states[state.model] = state
             except (RedisError, OSError) as exc:
                 log.debug("health watch lost Redis: %s", exc)

@@ -18,6 +18,8 @@ from topics.errors import InvalidRequest
 HEALTH_TOPIC = "kinfer.health"
 HEALTH_CHANNEL = "kinfer:health"
 HEALTH_KEY_PREFIX = "kinfer:health:"
+DECISIONS_KEY = "kinfer:decisions"  # the latest level changes, newest first (a Redis list)
+DECISIONS_KEPT = 200
 
 
 class Level(enum.IntEnum):
@@ -39,12 +41,18 @@ class HealthState:
     arrival_rps: float  # records/s written to the request topics (smoothed)
     drain_rps: float  # records/s committed by the workers (smoothed)
     updated_ms: int  # wall clock of the estimate
+    # Of ``lag``: records waiting in p0, p1, p2. Admission still uses the whole predicted wait for
+    # every priority: workers age buffered lower-priority work up to p0, so a p0 request can wait
+    # behind part of a p2 backlog, and an estimate that ignored it would admit it to expire.
+    lag_by_priority: tuple[int, int, int] = (0, 0, 0)
+    service_ms: float = 0.0  # recent mean compute time of a batch (telemetry); 0: unknown
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "model": self.model, "level": int(self.level), "predicted_wait_ms": self.predicted_wait_ms,
             "retry_after_ms": self.retry_after_ms, "lag": self.lag, "arrival_rps": self.arrival_rps,
-            "drain_rps": self.drain_rps, "updated_ms": self.updated_ms,
+            "drain_rps": self.drain_rps, "updated_ms": self.updated_ms, "lag_by_priority": list(self.lag_by_priority),
+            "service_ms": self.service_ms,
         }
 
     def pack(self) -> bytes:
@@ -54,15 +62,43 @@ class HealthState:
     @classmethod
     def unpack(cls, data: bytes) -> HealthState:
         try:
-            obj = msgpack.unpackb(data, raw=False, max_str_len=256, max_map_len=16, max_array_len=0)
+            obj = msgpack.unpackb(data, raw=False, max_str_len=256, max_map_len=16, max_array_len=3)
+            p0, p1, p2 = (int(n) for n in obj.get("lag_by_priority", (0, 0, 0)))
             return cls(
                 model=str(obj["model"]), level=Level(int(obj["level"])),
                 predicted_wait_ms=float(obj["predicted_wait_ms"]), retry_after_ms=int(obj["retry_after_ms"]),
                 lag=int(obj["lag"]), arrival_rps=float(obj["arrival_rps"]), drain_rps=float(obj["drain_rps"]),
-                updated_ms=int(obj["updated_ms"]),
+                updated_ms=int(obj["updated_ms"]), lag_by_priority=(p0, p1, p2),
+                service_ms=float(obj.get("service_ms", 0.0)),
             )
-        except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError) as exc:
             raise InvalidRequest(f"malformed health state: {exc}", "health") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class LevelChange:
+    """One decision of the lag monitor, kept for ``kinfer status``."""
+
+    at_ms: int
+    model: str
+    before: Level | None  # None: the first state the monitor published
+    after: Level
+    lag: int
+    predicted_wait_ms: float
+
+    def pack(self) -> bytes:
+        data: bytes = msgpack.packb([self.at_ms, self.model, None if self.before is None else int(self.before),
+                                     int(self.after), self.lag, self.predicted_wait_ms])
+        return data
+
+    @classmethod
+    def unpack(cls, data: bytes) -> LevelChange:
+        try:
+            at, model, before, after, lag, wait = msgpack.unpackb(data, raw=False, max_str_len=256, max_array_len=6)
+            return cls(int(at), str(model), None if before is None else Level(int(before)), Level(int(after)),
+                       int(lag), float(wait))
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+            raise InvalidRequest(f"malformed level change: {exc}", "health") from exc
 
 
 def health_key(model: str) -> str:

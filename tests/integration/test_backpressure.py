@@ -7,12 +7,15 @@ import contextlib
 from collections.abc import Callable
 
 import pytest
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from prometheus_client import REGISTRY
 
 from ops.health import HealthPolicy
 from ops.lagmon import LagMonitor
 from ops.procs import wait_until_served
 from ops.stack import StackInfo
+from ops.status import render, snapshot
 from producers import Client
 from tests.integration.conftest import WorkerProcess
 from topics import Overloaded, Priority
@@ -65,6 +68,21 @@ async def test_a_standing_backlog_makes_producers_refuse_before_enqueueing(
 
             with pytest.raises(Overloaded, match="exceeds"):  # cannot make a 1 s deadline behind 15 s
                 await polite.infer(topics, ["urgent but hopeless"], priority=Priority.P0, deadline_ms=1_000)
+            refusals = REGISTRY.get_sample_value(
+                "kinfer_admission_refused_total", {"model": topics, "priority": "p2", "cause": "level"})
+            assert refusals == 1  # every refusal is visible in the process's metrics
+
+            redis = aioredis.Redis.from_url(stack.redis_url)
+            try:
+                snap = await snapshot(redis, decisions=200)
+            finally:
+                await redis.aclose()
+            seen = snap.health[topics]  # what `kinfer status` prints
+            assert seen.level >= Level.SHEDDING
+            assert seen.lag_by_priority[0] == 0 and seen.lag_by_priority[2] > 0  # the backlog is p2's
+            assert next(c.after for c in snap.changes if c.model == topics) >= Level.SHEDDING  # newest first
+            assert topics in render(snap)
+
             ok = await polite.infer(topics, ["urgent, patient"], priority=Priority.P0, deadline_ms=60_000)
             assert ok.ok  # p0 with a feasible deadline is admitted, and served ahead of the backlog
             assert sum(t.done() for t in backlog) < 100

@@ -61,3 +61,18 @@ def test_adaptive_throttling_forgets_with_time() -> None:
         t.record(0.0, accepted=False)
     assert t.reject_probability(0.0) > 0.9
     assert t.reject_probability(100.0) < 0.01  # ten windows later the failures are forgotten
+
+
+def test_the_models_service_time_counts_against_the_deadline() -> None:
+    slow = HealthState("m", Level.OK, 50.0, 1000, 5, 10.0, 10.0, 0, lag_by_priority=(0, 5, 0), service_ms=80.0)
+    assert not health_decision(slow, Priority.P1, 120).admit  # 50 ms wait + 80 ms compute > 120 ms
+    assert health_decision(slow, Priority.P1, 140).admit
+    assert health_decision(slow, Priority.P1, 120, service_ms=10.0).admit  # the caller knows better
+
+
+def test_refusals_name_their_cause() -> None:
+    assert health_decision(state(Level.REJECTING), Priority.P1, 1_000, 10).cause == "level"
+    t = AdaptiveThrottle(k=2.0, window_s=1e9)
+    for _ in range(100):
+        t.record(0.0, accepted=False)
+    assert t.decide(0.0, draw=0.0).cause == "throttle"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from ops.health import HealthEstimator, HealthPolicy
@@ -60,8 +61,10 @@ def test_no_flapping_around_a_threshold() -> None:
 
 
 def test_state_round_trip_and_bad_input() -> None:
-    s = HealthState("m", Level.SHEDDING, 180.5, 2000, 42, 90.0, 60.0, 1_700_000_000_000)
+    s = HealthState("m", Level.SHEDDING, 180.5, 2000, 42, 90.0, 60.0, 1_700_000_000_000, (2, 10, 30), 12.5)
     assert HealthState.unpack(s.pack()) == s
+    older = msgpack.packb({k: v for k, v in s.to_wire().items() if k not in ("lag_by_priority", "service_ms")})
+    assert HealthState.unpack(older).lag_by_priority == (0, 0, 0)  # a monitor from before these fields
     with pytest.raises(InvalidRequest):
         HealthState.unpack(b"\x81\xa1x\x01")
 

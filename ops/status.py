@@ -1,0 +1,107 @@
+"""``kinfer status``: per model, its lag, rates, level and throughput, and the latest decisions.
+
+Everything comes from Redis, where the lag monitor (health states, level changes) and the
+telemetry stream (throughput, service time, sheds) publish; a model missing from one of them
+shows dashes there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+
+from topics import InvalidRequest
+from topics.health import DECISIONS_KEY, HEALTH_KEY_PREFIX, HealthState, LevelChange
+from topics.stats import STATS_KEY_PREFIX, ModelStats
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    health: dict[str, HealthState]
+    stats: dict[str, ModelStats]
+    changes: list[LevelChange]  # newest first
+
+    def models(self) -> list[str]:
+        return sorted(set(self.health) | set(self.stats))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "models": {
+                m: {"health": self.health[m].to_wire() if m in self.health else None,
+                    "stats": _stats_json(self.stats[m]) if m in self.stats else None}
+                for m in self.models()
+            },
+            "decisions": [
+                {"at_ms": c.at_ms, "model": c.model, "from": c.before.name.lower() if c.before is not None else None,
+                 "to": c.after.name.lower(), "lag": c.lag, "predicted_wait_ms": c.predicted_wait_ms}
+                for c in self.changes
+            ],
+        }
+
+
+def _stats_json(s: ModelStats) -> dict[str, Any]:
+    return {"inputs_rps": s.inputs_rps, "batches_rps": s.batches_rps, "mean_batch": s.mean_batch,
+            "service_ms": s.service_ms, "service_ms_by_size": s.service_ms_by_size, "shed": s.shed,
+            "inputs_total": s.inputs_total, "window_s": s.window_s, "updated_ms": s.updated_ms}
+
+
+async def _load(redis: aioredis.Redis, prefix: str, parse: Callable[[bytes], T]) -> list[T]:
+    keys = [k async for k in redis.scan_iter(match=f"{prefix}*", count=500)]
+    out = []
+    for data in await redis.mget(keys) if keys else []:
+        if isinstance(data, bytes):  # a key can expire between the scan and the read
+            with contextlib.suppress(InvalidRequest):
+                out.append(parse(data))
+    return out
+
+
+async def snapshot(redis: aioredis.Redis, decisions: int = 10) -> Snapshot:
+    health = {h.model: h for h in await _load(redis, HEALTH_KEY_PREFIX, HealthState.unpack)}
+    stats = {s.model: s for s in await _load(redis, STATS_KEY_PREFIX, ModelStats.unpack)}
+    changes = []
+    for data in await redis.lrange(DECISIONS_KEY, 0, decisions - 1):
+        if isinstance(data, bytes):
+            with contextlib.suppress(InvalidRequest):
+                changes.append(LevelChange.unpack(data))
+    return Snapshot(health, stats, changes)
+
+
+def render(snap: Snapshot, now_ms: int | None = None) -> str:
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    rows = [("model", "level", "lag p0/p1/p2", "in/s", "out/s", "wait ms", "served/s", "batch", "svc ms",
+             "shed (window)", "age s")]
+    for m in snap.models():
+        h, s = snap.health.get(m), snap.stats.get(m)
+        updated = max(h.updated_ms if h else 0, s.updated_ms if s else 0)
+        rows.append((
+            m,
+            h.level.name.lower() if h else "-",
+            "/".join(str(n) for n in h.lag_by_priority) if h else "-",
+            f"{h.arrival_rps:.1f}" if h else "-",
+            f"{h.drain_rps:.1f}" if h else "-",
+            f"{h.predicted_wait_ms:.0f}" if h else "-",
+            f"{s.inputs_rps:.1f}" if s else "-",
+            f"{s.mean_batch:.1f}" if s else "-",
+            f"{s.service_ms:.1f}" if s else "-",
+            ",".join(f"{r}={n}" for r, n in sorted(s.shed.items())) or "0" if s else "-",
+            f"{(now_ms - updated) / 1000:.1f}",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if len(rows) == 1:
+        lines.append("(no model has a health state or statistics: are `kinfer lagmon` and `kinfer telemetry` up?)")
+    lines.append("")
+    lines.append("recent decisions (newest first):" if snap.changes else "no level changes recorded")
+    for c in snap.changes:
+        at = time.strftime("%H:%M:%S", time.localtime(c.at_ms / 1000))
+        before = c.before.name.lower() if c.before is not None else "(start)"
+        lines.append(f"  {at}  {c.model}: {before} -> {c.after.name.lower()}  "
+                     f"(lag {c.lag}, predicted wait {c.predicted_wait_ms:.0f} ms)")
+    return "\n".join(lines)

@@ -1,0 +1,23 @@
+"""Producer-side metrics: what admission decided, and the health levels it saw (Prometheus).
+
+In-process with the client, so the gateway's ``/metrics`` serves them, and so does any service
+that embeds the library and exports the default registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+ADMITTED = Counter("kinfer_admission_admitted_total", "Requests admitted and enqueued", ["model", "priority"])
+REFUSED = Counter(
+    "kinfer_admission_refused_total",
+    "Requests refused before enqueueing, by cause (level, deadline, throttle)",
+    ["model", "priority", "cause"],
+)
+LEVEL_SEEN = Gauge("kinfer_client_health_level", "The model's health level as this process last saw it", ["model"])
+LEVEL_CHANGES_SEEN = Counter(
+    "kinfer_client_health_level_changes_total", "Health level changes this process saw", ["model", "to"]
+)
+GATEWAY_ERRORS = Counter(
+    "kinfer_gateway_errors_total", "Error answers by HTTP status and error type", ["status", "type"]
+)

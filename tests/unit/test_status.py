@@ -1,0 +1,34 @@
+"""``kinfer status``: the table and the JSON, from what the monitor and the telemetry publish."""
+
+from __future__ import annotations
+
+import json
+
+from ops.status import Snapshot, render
+from topics.health import HealthState, Level, LevelChange
+from topics.stats import ModelStats
+
+
+def test_status_shows_each_model_and_the_latest_decisions() -> None:
+    health = HealthState("emb", Level.SHEDDING, 180.0, 2000, 42, 90.0, 60.0, 10_000, (0, 12, 30), 8.5)
+    stats = ModelStats("emb", 10.0, 61.5, 7.7, 8.0, 8.5, {8: 8.5}, {"codel": 4}, 1234, 10_000)
+    only_stats = ModelStats("cls", 10.0, 5.0, 5.0, 1.0, 2.0, {1: 2.0}, {}, 50, 9_000)
+    change = LevelChange(9_500, "emb", Level.DEGRADED, Level.SHEDDING, 42, 180.0)
+    snap = Snapshot({"emb": health}, {"emb": stats, "cls": only_stats}, [change])
+
+    lines = render(snap, now_ms=11_000).splitlines()
+    emb = next(line for line in lines if line.startswith("emb"))
+    assert "shedding" in emb and "0/12/30" in emb and "61.5" in emb and "codel=4" in emb
+    cls = next(line for line in lines if line.startswith("cls"))
+    assert cls.split()[1] == "-"  # no health state for it: shown, not invented
+    assert any("emb: degraded -> shedding" in line for line in lines)
+
+    doc = json.loads(json.dumps(snap.to_json()))
+    assert doc["models"]["emb"]["health"]["lag_by_priority"] == [0, 12, 30]
+    assert doc["models"]["cls"]["health"] is None
+    assert doc["decisions"][0]["to"] == "shedding"
+
+
+def test_level_change_round_trip() -> None:
+    first = LevelChange(1, "m", None, Level.OK, 0, 0.0)
+    assert LevelChange.unpack(first.pack()) == first
