@@ -216,6 +216,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = bench_gateway(rate=args.rate, seconds=args.seconds, concurrency=args.concurrency)
     elif args.bench == "generation":
         report = bench_generation(requests=args.requests, rate=args.rate, max_running=args.max_running)
+    elif args.bench == "overload":
+        from ops.overload import bench_overload
+
+        report = bench_overload(surge_s=args.surge_s, normal_s=args.normal_s, factor=args.factor,
+                                per_input_ms=args.per_input_ms, deadline_ms=args.deadline_ms)
     else:
         report = bench_batching(
             seconds_per_step=args.seconds_per_step, steps=args.steps, policies=args.policy, model=args.model,
@@ -343,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--rate", type=float, default=40.0, help="arrivals per second (Poisson; above capacity)")
     bg.add_argument("--max-running", type=int, default=16)
     bg.set_defaults(func=cmd_bench)
+    bo = bs.add_parser("overload", help="a 3x capacity surge with and without the health signal, side by side")
+    bo.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
+    bo.add_argument("--surge-s", type=float, default=30.0)
+    bo.add_argument("--normal-s", type=float, default=10.0)
+    bo.add_argument("--factor", type=float, default=3.0, help="surge rate / measured capacity")
+    bo.add_argument("--per-input-ms", type=float, default=20.0, help="the simulated model's cost per input")
+    bo.add_argument("--deadline-ms", type=int, default=250)
+    bo.set_defaults(func=cmd_bench)
     return p
 
 

@@ -1,8 +1,11 @@
 """From lag to a health level: smoothed, with hysteresis, so a blip does not flap (pure; ``now`` passed in).
 
 The lag monitor feeds one observation per poll: the model's consumer lag and the totals of its
-log-end and committed offsets. Arrival and drain rates are the smoothed slopes of those totals;
-the predicted wait of a new request is ``lag / drain rate``. The level rises as soon as the
+log-end and committed offsets. Arrival and drain rates are the smoothed slopes of those totals.
+Capacity is the drain rate of intervals the workers were certainly busy throughout (the queue at
+the start held more than they drained), smoothed faster and kept while no queue stands: a drain
+rate measured below saturation is only the arrival rate. The predicted wait of a new request is
+``lag / capacity`` (``lag / drain rate`` until a busy interval has been seen). The level rises as soon as the
 *smoothed* wait crosses a threshold, and falls only once it has stayed below ``exit_ratio`` of that
 threshold for ``min_dwell_s`` — a momentary spike or dip changes nothing.
 """
@@ -23,6 +26,7 @@ class HealthPolicy:
     exit_ratio: float = 0.6  # a level ends below this share of its threshold...
     min_dwell_s: float = 2.0  # ...held for this long
     smoothing_s: float = 2.0  # time constant of the exponential smoothing
+    capacity_smoothing_s: float = 0.5  # ... of the capacity estimate (busy intervals only)
 
     def __post_init__(self) -> None:
         if not 0 < self.degraded_wait_ms < self.shedding_wait_ms < self.rejecting_wait_ms:
@@ -45,33 +49,63 @@ class HealthEstimator:
         self.lag = 0
         self.arrival_rps = 0.0
         self.drain_rps = 0.0
+        self.capacity_rps = 0.0  # 0: not measured yet
+        self.arrival_by_priority = [0.0, 0.0, 0.0]  # records/s written to the p0, p1, p2 topics (smoothed)
+        self._ends_by_priority: tuple[int, int, int] | None = None
         self.wait_ms = 0.0  # smoothed predicted wait
-        self._last: tuple[float, int, int] | None = None  # (now, log_end_total, committed_total)
+        self._last: tuple[float, int, int, int] | None = None  # (now, log_end_total, committed_total, lag)
         self._below_since: float | None = None
         self._primed = False
+        self._drain_primed = False
+        self._stalled_since: float | None = None  # waiting records and nothing drained since then
+        self._now = 0.0
 
-    def observe(self, now: float, lag: int, log_end_total: int, committed_total: int) -> Level:
+    def observe(
+        self, now: float, lag: int, log_end_total: int, committed_total: int,
+        log_end_by_priority: tuple[int, int, int] | None = None,
+    ) -> Level:
         self.lag = max(0, lag)
         if self._last is not None and now > self._last[0]:
             dt = now - self._last[0]
             alpha = 1.0 - math.exp(-dt / self.policy.smoothing_s)
             arrival = max(0, log_end_total - self._last[1]) / dt
-            drain = max(0, committed_total - self._last[2]) / dt
-            if not self._primed:  # the first slope is the best estimate there is: no ramp from 0
-                alpha, self._primed = 1.0, True
-            self.arrival_rps += alpha * (arrival - self.arrival_rps)
-            self.drain_rps += alpha * (drain - self.drain_rps)
-            self.wait_ms += alpha * (self._instant_wait_ms() - self.wait_ms)
-        self._last = (now, log_end_total, committed_total)
+            drained = max(0, committed_total - self._last[2])
+            # The first slope is the best estimate there is (no ramp from 0); for the drain rate, the
+            # first slope of work actually done: an idle start says nothing about how fast it goes.
+            first = 1.0 if not self._primed else alpha
+            self._primed = True
+            self.arrival_rps += first * (arrival - self.arrival_rps)
+            if log_end_by_priority is not None and self._ends_by_priority is not None:
+                for p, (end, before) in enumerate(zip(log_end_by_priority, self._ends_by_priority, strict=True)):
+                    self.arrival_by_priority[p] += first * (max(0, end - before) / dt - self.arrival_by_priority[p])
+            if drained > 0 or self._drain_primed:
+                self.drain_rps += (alpha if self._drain_primed else 1.0) * (drained / dt - self.drain_rps)
+                self._drain_primed = True
+            if self._last[3] > drained > 0:  # more was queued than drained: busy all interval long
+                self._observe_capacity(drained / dt, dt)
+            self._stalled_since = None if drained > 0 or self.lag == 0 else (self._stalled_since or self._last[0])
+            self._now = now
+            self.wait_ms += alpha * (self.instant_wait_ms() - self.wait_ms)
+        self._last = (now, log_end_total, committed_total, self.lag)
+        self._ends_by_priority = log_end_by_priority
         self._update_level(now)
         return self.level
 
-    def _instant_wait_ms(self) -> float:
+    def _observe_capacity(self, sample: float, dt: float) -> None:
+        if self.capacity_rps <= 0:
+            self.capacity_rps = sample
+        else:
+            self.capacity_rps += (1.0 - math.exp(-dt / self.policy.capacity_smoothing_s)) * (sample - self.capacity_rps)
+
+    def instant_wait_ms(self) -> float:
+        """The wait the current lag means, unsmoothed."""
         if self.lag == 0:
             return 0.0
-        # Nothing drained yet: the best evidence is how fast records arrive (a lower bound on need).
-        rate = self.drain_rps if self.drain_rps > 1e-6 else max(self.arrival_rps, 1.0) / 10.0
-        return 1000.0 * self.lag / rate
+        stalled_ms = 0.0 if self._stalled_since is None else 1000.0 * (self._now - self._stalled_since)
+        rate = max(self.capacity_rps, self.drain_rps)  # the workers cannot drain faster than they can
+        if rate <= 1e-6:  # never drained anything: records have waited at least as long as nothing moved
+            return stalled_ms
+        return max(1000.0 * self.lag / rate, stalled_ms)
 
     def _update_level(self, now: float) -> None:
         target = Level.OK

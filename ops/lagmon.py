@@ -62,15 +62,15 @@ class LagMonitor:
     _changes: list[LevelChange] = field(default_factory=list)  # not yet recorded in Redis
 
     @staticmethod
-    async def _service_ms(redis: aioredis.Redis | None, model: str) -> float:
-        """The model's recent batch compute time, from the telemetry stream (0 when it is not running)."""
+    async def _telemetry(redis: aioredis.Redis | None, model: str) -> ModelStats | None:
+        """The model's summary from the telemetry stream (None when it is not running)."""
         if redis is None:
-            return 0.0
+            return None
         try:
             data = await redis.get(stats_key(model))
-            return ModelStats.unpack(data).service_ms if isinstance(data, bytes) else 0.0
+            return ModelStats.unpack(data) if isinstance(data, bytes) else None
         except (RedisError, OSError, InvalidRequest):
-            return 0.0
+            return None
 
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_topics(self.bootstrap, [health_topic_spec()])
@@ -103,26 +103,24 @@ class LagMonitor:
                                         if _is_request_topic(t)})
         states = []
         for model in models:
-            described = await admin.describe_topics(request_topics(model))
-            parts = [TopicPartition(t["topic"], p["partition"]) for t in described if t["error_code"] == 0
-                     for p in t["partitions"]]
-            if not parts:
+            measured = now_ms()  # before the offsets: producers count their sends from here
+            offsets = await read_offsets(admin, consumer, model)
+            if offsets is None:
                 continue
-            ends = await consumer.end_offsets(parts)
-            committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=parts)
-            done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in parts}
-            by_priority = [0, 0, 0]
-            for tp in parts:
-                by_priority[int(parse_request_topic(tp.topic)[1])] += max(0, ends[tp] - done[tp])
-            lag = sum(by_priority)
+            lag = sum(offsets.lag)
+            stats = await self._telemetry(redis, model)
             estimator = self._estimators.setdefault(model, HealthEstimator(self.policy))
-            level = estimator.observe(time.monotonic(), lag, sum(ends.values()), sum(done.values()))
+            if stats is not None and stats.capacity_rps > 0:
+                estimator.capacity_rps = stats.capacity_rps  # measured by the workers: better than lag can tell
+            level = estimator.observe(time.monotonic(), lag, sum(offsets.log_end), offsets.committed_total,
+                                      offsets.log_end)
             state = HealthState(
-                model=model, level=level, predicted_wait_ms=round(estimator.wait_ms, 1),
+                model=model, level=level, predicted_wait_ms=round(estimator.instant_wait_ms(), 1),
                 retry_after_ms=estimator.retry_after_ms(), lag=lag, arrival_rps=round(estimator.arrival_rps, 2),
-                drain_rps=round(estimator.drain_rps, 2), updated_ms=now_ms(),
-                lag_by_priority=(by_priority[0], by_priority[1], by_priority[2]),
-                service_ms=await self._service_ms(redis, model),
+                drain_rps=round(estimator.drain_rps, 2), updated_ms=measured,
+                lag_by_priority=offsets.lag,
+                arrival_by_priority=_rounded(estimator.arrival_by_priority),
+                service_ms=stats.service_ms if stats else 0.0, capacity_rps=round(estimator.capacity_rps, 2),
             )
             previous = self.states.get(model)
             if previous is None or previous.level != level:
@@ -149,6 +147,35 @@ class LagMonitor:
             await pipe.execute()
         self._changes = [c for c in self._changes if c.model != state.model]
         await producer.send(HEALTH_TOPIC, data, key=state.model.encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Offsets:
+    lag: tuple[int, int, int]  # records waiting, per priority (p0, p1, p2)
+    log_end: tuple[int, int, int]  # records ever written, per priority
+    committed_total: int  # records done, all priorities
+
+
+async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, model: str) -> Offsets | None:
+    """The model's offsets by priority; None when it has no request topics."""
+    described = await admin.describe_topics(request_topics(model))
+    parts = [TopicPartition(t["topic"], p["partition"]) for t in described if t["error_code"] == 0
+             for p in t["partitions"]]
+    if not parts:
+        return None
+    ends = await consumer.end_offsets(parts)
+    committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=parts)
+    done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in parts}
+    lag, end = [0, 0, 0], [0, 0, 0]
+    for tp in parts:
+        p = int(parse_request_topic(tp.topic)[1])
+        lag[p] += max(0, ends[tp] - done[tp])
+        end[p] += ends[tp]
+    return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()))
+
+
+def _rounded(rates: list[float]) -> tuple[float, float, float]:
+    return round(rates[0], 2), round(rates[1], 2), round(rates[2], 2)
 
 
 def _is_request_topic(topic: str) -> bool:

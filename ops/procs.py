@@ -23,6 +23,14 @@ def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None 
         )
 
 
+def spawn_telemetry(info: StackInfo, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **info.env()}
+    with open(log_path or os.devnull, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "telemetry", *extra], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
 def scrape(port: int) -> dict[str, float]:
     """A worker's Prometheus metrics, each name summed over its labels (0 when unreachable)."""
     try:

@@ -33,7 +33,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SHED_REASONS = tuple(r.value for r in Reason)
 
 
-def summarize(model: str, window_s: float, elapsed_s: float, windows: dict[str, Any], total: int) -> ModelStats:
+def summarize(
+    model: str, window_s: float, elapsed_s: float, windows: dict[str, Any], total: int, workers: int = 0
+) -> ModelStats:
     """One model's summary from its last two windows (pure).
 
     ``windows`` maps each measure to the sum of the current and the previous window: "inputs",
@@ -52,7 +54,7 @@ def summarize(model: str, window_s: float, elapsed_s: float, windows: dict[str, 
         service_ms_by_size={b: round(windows["service_ms"][b] / n, 3)
                             for b, n in windows["service_n"].items() if n},
         shed={r: n for r, n in windows["shed"].items() if n}, inputs_total=total,
-        updated_ms=int(time.time() * 1000),
+        updated_ms=int(time.time() * 1000), workers=workers,
     )
 
 
@@ -74,6 +76,7 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
     service_ms = windowed("service-ms", float)  # "model|bucket" -> compute ms of those batches
     shed = windowed("shed", int)  # "model|reason" -> requests refused
     totals = app.Table("totals", default=int)  # model -> inputs since the beginning (and the set of models)
+    seen = app.Table("workers", default=int)  # "model|worker" -> wall ms of its latest batch
     redis = aioredis.Redis.from_url(redis_url)
 
     @app.agent(source)
@@ -85,6 +88,7 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
                 log.warning("skipping a malformed stats record: %s", exc)
                 continue
             if s.size:
+                seen[f"{s.model}|{s.worker}"] = s.at_ms
                 key = f"{s.model}|{size_bucket(s.size)}"
                 inputs[s.model] += s.size
                 batches[s.model] += 1
@@ -109,7 +113,9 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
                 "service_ms": {b: both(service_ms, f"{model}|{b}", now) for b in BUCKETS},
                 "shed": {r: both(shed, f"{model}|{r}", now) for r in SHED_REASONS},
             }
-            summary = summarize(model, window_s, elapsed, windows, totals[model])
+            since = (now - window_s - elapsed) * 1000.0
+            workers = sum(1 for key, at in seen.items() if key.startswith(f"{model}|") and at >= since)
+            summary = summarize(model, window_s, elapsed, windows, totals[model], workers)
             try:
                 await redis.set(stats_key(model), summary.pack(), px=int(max(30.0, window_s * 6) * 1000))
             except (RedisError, OSError) as exc:

@@ -3,8 +3,9 @@
 Two mechanisms, applied in order:
 
 1. **The health signal** (``topics.health``): a request is refused when the model's predicted wait
-   plus its own service time would pass its deadline, and by priority as the level rises (SHEDDING
-   refuses p2, REJECTING refuses p1 and p2).
+   plus its service time would pass its deadline, and by priority as the level rises (SHEDDING
+   refuses p2, REJECTING refuses p1 and p2). The level comes smoothed and with hysteresis; the
+   wait is brought up to date with what this producer sent since the state was measured.
 2. **Adaptive throttling** (Google SRE book, "Handling Overload"): each client tracks its recent
    requests and the ones the backend accepted, and refuses locally with probability
    ``max(0, (requests - K·accepts) / (requests + 1))``. It needs no signal at all, reacts within a
@@ -13,6 +14,7 @@ Two mechanisms, applied in order:
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -31,12 +33,52 @@ class Decision:
 ADMIT = Decision(True)
 
 
+def expected_wait_ms(health: HealthState, priority: Priority, sent_since: int, now_ms: int) -> float:
+    """The queueing a request of ``priority`` sent now should expect, between two health states.
+
+    The state is a poll old. Once the monitor knows the workers' capacity, this producer's own
+    sends since the state was measured are added to its lag and what the workers can have drained
+    meanwhile taken away, so a surge shows at once instead of a poll later. The queue drains for
+    this request at the capacity left over by higher priorities, which keep arriving and go first
+    (the whole lag counts, not only its own priority's and above: workers age waiting work up, so
+    an old p2 backlog does delay a p0 request). Without a capacity the state's wait stands (a
+    drain rate measured below saturation is only the arrival rate: an idle model would refuse a
+    burst).
+    """
+    capacity = health.capacity_rps
+    if capacity <= 0:
+        return health.predicted_wait_ms
+    elapsed_s = max(0, now_ms - health.updated_ms) / 1000.0
+    queued = max(0.0, health.lag + sent_since - capacity * elapsed_s)
+    left = max(capacity - sum(health.arrival_by_priority[: int(priority)]), capacity * 0.05)
+    return 1000.0 * queued / left
+
+
+class SendLog:
+    """When this producer enqueued its recent requests to one model (wall ms, ascending)."""
+
+    def __init__(self, keep_ms: int = 30_000) -> None:
+        self.keep_ms = keep_ms
+        self._at: list[int] = []
+
+    def record(self, at_ms: int) -> None:
+        self._at.append(at_ms)
+        if self._at[0] < at_ms - 2 * self.keep_ms:  # trim now and then, not on every send
+            del self._at[: bisect.bisect_left(self._at, at_ms - self.keep_ms)]
+
+    def since(self, at_ms: int) -> int:
+        """Requests sent after ``at_ms``."""
+        return len(self._at) - bisect.bisect_right(self._at, at_ms)
+
+
 def health_decision(
-    health: HealthState | None, priority: Priority, deadline_in_ms: float, service_ms: float | None = None
+    health: HealthState | None, priority: Priority, deadline_in_ms: float, service_ms: float | None = None,
+    wait_ms: float | None = None,
 ) -> Decision:
     """What the health signal says about one request (None: no signal, admit).
 
-    ``service_ms`` defaults to the model's recent batch compute time, from the state.
+    ``service_ms`` defaults to the model's recent batch compute time, and ``wait_ms`` to the
+    predicted wait, both from the state (``expected_wait_ms`` brings the wait up to date).
     """
     if health is None:
         return ADMIT
@@ -45,7 +87,7 @@ def health_decision(
         return Decision(False, f"{health.model} is rejecting {priority.label}", retry, "level")
     if health.level >= Level.SHEDDING and priority >= Priority.P2:
         return Decision(False, f"{health.model} is shedding {priority.label}", retry, "level")
-    wait_ms = health.predicted_wait_ms
+    wait_ms = health.predicted_wait_ms if wait_ms is None else wait_ms
     service_ms = health.service_ms if service_ms is None else service_ms
     if wait_ms + service_ms > deadline_in_ms:
         return Decision(

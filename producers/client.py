@@ -30,7 +30,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from producers import metrics
-from producers.admission import AdaptiveThrottle, health_decision
+from producers.admission import AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
 from producers.health import HealthWatch
 from producers.replies import ReplyMux
 from topics import (
@@ -51,6 +51,7 @@ from topics import (
     now_ms,
     pack,
 )
+from topics.health import HealthState
 from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, parse_request_topic, redis_reply_channel, request_topic
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class Client:
         self._known_topics: set[str] = set()
         self._health = HealthWatch(self._redis)
         self._throttles: dict[str, AdaptiveThrottle] = {}
+        self._sent: dict[str, SendLog] = {}
+        self._service_ms: dict[str, float] = {}  # per model: compute time of the batches that served us
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -149,6 +152,10 @@ class Client:
         """Replies handed to callers, by the source they came from ("redis", "kafka")."""
         return dict(self._replies.received)
 
+    def health(self, model: str) -> HealthState | None:
+        """The model's latest health state as this client sees it (None: no fresh signal)."""
+        return self._health.get(model)
+
     @property
     def late_replies(self) -> int:
         """Replies dropped because their caller had already given up (deadline passed)."""
@@ -178,11 +185,14 @@ class Client:
             try:
                 result = await asyncio.wait_for(waiter, max(0.0, self._remaining_s(request)))
             except TimeoutError as exc:
-                raise DeadlineExceeded(f"{model}/{request.id}: no reply by the deadline") from exc
+                raise DeadlineExceeded(f"{model}/{request.id}: no reply by the deadline", answered=False) from exc
         finally:
             self._replies.forget(request.id)
         refused = result.status in (Status.SHED, Status.EXPIRED)
         self._throttle(model).record(time.monotonic(), accepted=not refused)
+        if result.status is Status.OK and result.timings.compute_ms > 0:
+            seen = self._service_ms.get(model, result.timings.compute_ms)
+            self._service_ms[model] = seen + 0.1 * (result.timings.compute_ms - seen)
         return result.raise_for_status()
 
     async def infer_many(
@@ -240,7 +250,9 @@ class Client:
                 try:
                     chunk = await buffer.next(self._remaining_s(request))
                 except TimeoutError as exc:
-                    raise DeadlineExceeded(f"{model}/{request.id}: stream stalled past the deadline") from exc
+                    raise DeadlineExceeded(
+                        f"{model}/{request.id}: stream stalled past the deadline", answered=False
+                    ) from exc
                 if chunk.seq == 0:
                     self._throttle(model).record(time.monotonic(), accepted=True)
                 yield chunk.raise_for_status()
@@ -282,7 +294,13 @@ class Client:
         if not self.settings.admission:
             return
         health = self._health.get(request.model)
-        decision = health_decision(health, request.priority, request.deadline_ms - now_ms())
+        sent = self._sent.setdefault(request.model, SendLog())
+        now = now_ms()
+        wait = None
+        if health is not None:
+            wait = expected_wait_ms(health, request.priority, sent.since(health.updated_ms), now)
+        decision = health_decision(health, request.priority, request.deadline_ms - now,
+                                   service_ms=self._service_ms.get(request.model), wait_ms=wait)
         if decision.admit and request.priority > Priority.P0:  # interactive work is never throttled locally
             decision = self._throttle(request.model).decide(time.monotonic(), random.random())
         if not decision.admit:
@@ -290,6 +308,7 @@ class Client:
             level = health.level.name.lower() if health is not None else None
             raise Overloaded(f"{request.model}: {decision.reason}", decision.retry_after_s, level)
         metrics.ADMITTED.labels(request.model, request.priority.label).inc()
+        sent.record(now)
 
     async def _publish(self, topic: str, data: bytes) -> None:
         try:

@@ -60,6 +60,10 @@ class DeadlineExceeded(KinferError):
 
     retriable = True
 
+    def __init__(self, message: str, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered  # False: the client stopped waiting, no worker ever said why
+
 
 class ModelError(KinferError):
     """The model runner failed on this request."""

@@ -35,7 +35,7 @@ class Level(enum.IntEnum):
 class HealthState:
     model: str
     level: Level
-    predicted_wait_ms: float  # queueing a new request should expect before its batch starts
+    predicted_wait_ms: float  # queueing a new request should expect now (unsmoothed; the level is smoothed)
     retry_after_ms: int  # when a refused caller should try again
     lag: int  # records waiting in the model's request topics
     arrival_rps: float  # records/s written to the request topics (smoothed)
@@ -46,13 +46,16 @@ class HealthState:
     # behind part of a p2 backlog, and an estimate that ignored it would admit it to expire.
     lag_by_priority: tuple[int, int, int] = (0, 0, 0)
     service_ms: float = 0.0  # recent mean compute time of a batch (telemetry); 0: unknown
+    capacity_rps: float = 0.0  # records/s the workers drain while busy; 0: not measured yet
+    arrival_by_priority: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of ``arrival_rps``: p0, p1, p2
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "model": self.model, "level": int(self.level), "predicted_wait_ms": self.predicted_wait_ms,
             "retry_after_ms": self.retry_after_ms, "lag": self.lag, "arrival_rps": self.arrival_rps,
             "drain_rps": self.drain_rps, "updated_ms": self.updated_ms, "lag_by_priority": list(self.lag_by_priority),
-            "service_ms": self.service_ms,
+            "service_ms": self.service_ms, "capacity_rps": self.capacity_rps,
+            "arrival_by_priority": list(self.arrival_by_priority),
         }
 
     def pack(self) -> bytes:
@@ -64,12 +67,14 @@ class HealthState:
         try:
             obj = msgpack.unpackb(data, raw=False, max_str_len=256, max_map_len=16, max_array_len=3)
             p0, p1, p2 = (int(n) for n in obj.get("lag_by_priority", (0, 0, 0)))
+            a0, a1, a2 = (float(r) for r in obj.get("arrival_by_priority", (0.0, 0.0, 0.0)))
             return cls(
                 model=str(obj["model"]), level=Level(int(obj["level"])),
                 predicted_wait_ms=float(obj["predicted_wait_ms"]), retry_after_ms=int(obj["retry_after_ms"]),
                 lag=int(obj["lag"]), arrival_rps=float(obj["arrival_rps"]), drain_rps=float(obj["drain_rps"]),
                 updated_ms=int(obj["updated_ms"]), lag_by_priority=(p0, p1, p2),
-                service_ms=float(obj.get("service_ms", 0.0)),
+                service_ms=float(obj.get("service_ms", 0.0)), capacity_rps=float(obj.get("capacity_rps", 0.0)),
+                arrival_by_priority=(a0, a1, a2),
             )
         except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError) as exc:
             raise InvalidRequest(f"malformed health state: {exc}", "health") from exc

@@ -91,13 +91,22 @@ class ModelStats:
     shed: dict[str, int]  # reason -> requests refused within the window
     inputs_total: int  # since the telemetry stream began (survives its restarts)
     updated_ms: int
+    workers: int = 0  # distinct workers that ran batches of it within the window
+
+    @property
+    def capacity_rps(self) -> float:
+        """Inputs/s its workers could serve if always busy, at the batch sizes they run: each
+        worker clears ``mean_batch`` inputs per ``service_ms``. 0 when unknown."""
+        if self.service_ms <= 0 or self.workers <= 0:
+            return 0.0
+        return self.workers * self.mean_batch * 1000.0 / self.service_ms
 
     def pack(self) -> bytes:
         data: bytes = msgpack.packb({
             "model": self.model, "window_s": self.window_s, "inputs_rps": self.inputs_rps,
             "batches_rps": self.batches_rps, "mean_batch": self.mean_batch, "service_ms": self.service_ms,
             "service_ms_by_size": {str(b): ms for b, ms in self.service_ms_by_size.items()},
-            "shed": self.shed, "inputs_total": self.inputs_total,
+            "shed": self.shed, "inputs_total": self.inputs_total, "workers": self.workers,
             "updated_ms": self.updated_ms,
         })
         return data
@@ -112,7 +121,7 @@ class ModelStats:
                 service_ms=float(obj["service_ms"]),
                 service_ms_by_size={int(k): float(v) for k, v in obj["service_ms_by_size"].items()},
                 shed={str(k): int(v) for k, v in obj["shed"].items()}, inputs_total=int(obj["inputs_total"]),
-                updated_ms=int(obj["updated_ms"]),
+                updated_ms=int(obj["updated_ms"]), workers=int(obj.get("workers", 0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidRequest(f"malformed model stats: {exc}", "stats") from exc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producers.admission import AdaptiveThrottle, health_decision
+from producers.admission import AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
 from topics import Priority
 from topics.health import HealthState, Level
 
@@ -76,3 +76,31 @@ def test_refusals_name_their_cause() -> None:
     for _ in range(100):
         t.record(0.0, accepted=False)
     assert t.decide(0.0, draw=0.0).cause == "throttle"
+
+
+def test_the_wait_is_brought_up_to_date_with_what_this_producer_sent_since_the_state() -> None:
+    # 10 queued, the workers clear 100/s (drain is lower: they were not busy the whole window).
+    standing = HealthState("m", Level.DEGRADED, 100.0, 1000, 10, 150.0, 60.0, 10_000, capacity_rps=100.0)
+    assert expected_wait_ms(standing, Priority.P0, sent_since=0, now_ms=10_000) == pytest.approx(100.0)
+    # 30 more sent in the 100 ms since, 10 drained: 30 queued, 300 ms.
+    assert expected_wait_ms(standing, Priority.P0, sent_since=30, now_ms=10_100) == pytest.approx(300.0)
+    assert expected_wait_ms(standing, Priority.P0, sent_since=0, now_ms=12_000) == 0.0  # drained since
+    # Capacity unknown: a drain rate measured below saturation is the arrival rate; the state stands.
+    idle = HealthState("m", Level.OK, 0.0, 1000, 0, 1.0, 1.0, 10_000)
+    assert expected_wait_ms(idle, Priority.P0, sent_since=50, now_ms=10_010) == 0.0
+    # A p1 request drains at what p0 arrivals leave over: 100/s - 60/s p0.
+    busy = HealthState("m", Level.DEGRADED, 100.0, 1000, 10, 150.0, 60.0, 10_000, capacity_rps=100.0,
+                       arrival_by_priority=(60.0, 90.0, 0.0))
+    assert expected_wait_ms(busy, Priority.P0, 0, 10_000) == pytest.approx(100.0)
+    assert expected_wait_ms(busy, Priority.P1, 0, 10_000) == pytest.approx(250.0)
+    assert expected_wait_ms(busy, Priority.P2, 0, 10_000) >= 1000.0  # nothing left over: p2 waits "forever"
+    refused = health_decision(standing, Priority.P1, 250, 10, wait_ms=300.0)
+    assert not refused.admit and refused.cause == "deadline"
+
+
+def test_send_log_counts_sends_after_a_moment_and_forgets_old_ones() -> None:
+    log = SendLog(keep_ms=1_000)
+    for t in range(0, 5_000, 10):
+        log.record(t)
+    assert log.since(4_899) == 10
+    assert log.since(-1) <= 300  # trimmed: at most about 2 × keep_ms of history

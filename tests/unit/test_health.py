@@ -60,10 +60,24 @@ def test_no_flapping_around_a_threshold() -> None:
     assert changes == 0
 
 
+def test_capacity_is_learned_from_busy_intervals_only() -> None:
+    h = HealthEstimator()
+    totals = [0, 0]
+    feed(h, 0, 3, lag=0, arrive=30, drain=30, totals=totals)  # below saturation: drain is arrival
+    assert h.capacity_rps == 0 and h.drain_rps == pytest.approx(30, rel=0.05)
+    feed(h, 3, 2, lag=40, arrive=150, drain=50, totals=totals)  # a standing queue: drain is capacity
+    assert h.capacity_rps == pytest.approx(50, rel=0.05)
+    assert h.instant_wait_ms() == pytest.approx(800, rel=0.05)  # 40 records at 50/s
+    feed(h, 5, 0.1, lag=0, arrive=10, drain=50, totals=totals)  # the backlog drains at capacity...
+    feed(h, 5.1, 3, lag=0, arrive=10, drain=10, totals=totals)  # ...quiet again: capacity is remembered
+    assert h.capacity_rps == pytest.approx(50, rel=0.05)
+
+
 def test_state_round_trip_and_bad_input() -> None:
-    s = HealthState("m", Level.SHEDDING, 180.5, 2000, 42, 90.0, 60.0, 1_700_000_000_000, (2, 10, 30), 12.5)
+    s = HealthState("m", Level.SHEDDING, 180.5, 2000, 42, 90.0, 60.0, 1_700_000_000_000, (2, 10, 30), 12.5, 75.0)
     assert HealthState.unpack(s.pack()) == s
-    older = msgpack.packb({k: v for k, v in s.to_wire().items() if k not in ("lag_by_priority", "service_ms")})
+    new_fields = ("lag_by_priority", "service_ms", "capacity_rps")
+    older = msgpack.packb({k: v for k, v in s.to_wire().items() if k not in new_fields})
     assert HealthState.unpack(older).lag_by_priority == (0, 0, 0)  # a monitor from before these fields
     with pytest.raises(InvalidRequest):
         HealthState.unpack(b"\x81\xa1x\x01")

@@ -1,0 +1,272 @@
+"""``kinfer bench overload``: a surge of 3× a worker's capacity, with the health signal and without.
+
+One worker serves a simulated accelerator whose cost is ``per_input_ms`` per input (batching buys
+nothing, so capacity is one number). The benchmark measures that capacity closed loop, then runs the
+same open-loop schedule twice: ``factor`` × capacity for ``surge_s`` seconds, then half the
+capacity for ``normal_s``; priorities mixed p0 20 %, p1 50 %, p2 30 %, every request with the same
+deadline. Once with the lag monitor running and clients obeying it, once with both switched off
+(the workers' own deadline shedding and CoDel stay on in both runs). Per run:
+
+- ``accepted`` / ``rejected``: enqueued, or refused by admission before enqueueing (``Overloaded``);
+- ``lost``: accepted and never answered at all (a reply that came after its caller gave up counts
+  as answered);
+- ``accepted_p95_ms`` / ``accepted_p99_ms``: scheduled send to the final answer of every accepted
+  request, whatever that answer was (served, shed, expired, or the client's own timeout);
+- ``deadline_misses``: accepted requests not served by their deadline;
+- ``reject_p99_ms``: how long a refused caller waited to be told;
+- ``recovery_s``: from the end of the surge until the lag is down to what the worker clears in
+  100 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
+
+from ops.lagmon import LagMonitor, read_offsets
+from ops.load import percentile
+from ops.procs import spawn_telemetry, spawn_worker, stop_process, wait_until_served
+from ops.stack import LocalStack, StackInfo
+from producers import Client
+from topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
+from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+
+MODEL = "bench-overload"
+PRIORITY_MIX = ((Priority.P0, 0.2), (Priority.P1, 0.5), (Priority.P2, 0.3))
+
+
+@dataclass(slots=True)
+class Outcome:
+    phase: str  # "surge" or "normal"
+    priority: Priority
+    kind: str  # ok, rejected, shed, expired, unanswered, or an error class name
+    latency_ms: float  # from the scheduled send
+    call_ms: float  # from the actual call (what a refused caller waited)
+
+
+def bench_overload(
+    surge_s: float = 30.0, normal_s: float = 10.0, factor: float = 3.0, per_input_ms: float = 20.0,
+    deadline_ms: int = 250, interval_s: float = 0.25, seed: int = 5, info: StackInfo | None = None,
+) -> dict[str, Any]:
+    """Runs on ``info`` when given (the caller's Kafka and Redis), else on the local stack."""
+    stack = LocalStack() if info is None else None
+    started = False
+    if stack is not None:
+        info, started = stack.up()
+    assert info is not None
+    try:
+        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, 3)]))
+        # The telemetry stream tells the lag monitor the workers' capacity and service time.
+        telemetry = spawn_telemetry(info, "--app-id", f"kinfer-telemetry-bench-{uuid.uuid4().hex[:6]}",
+                                    "--window-s", "5", "--publish-s", "0.5",
+                                    log_path=os.path.join(info.home, "bench-overload-telemetry.log"))
+        proc = spawn_worker(info, MODEL, "--family", "noop", "--option", f"per_input_ms={per_input_ms}",
+                            log_path=os.path.join(info.home, "bench-overload.log"))
+        try:
+            return asyncio.run(_bench(info, surge_s, normal_s, factor, per_input_ms, deadline_ms, interval_s, seed))
+        finally:
+            stop_process(proc)
+            stop_process(telemetry)
+    finally:
+        if stack is not None and started:
+            stack.down()
+
+
+async def _bench(
+    info: StackInfo, surge_s: float, normal_s: float, factor: float, per_input_ms: float, deadline_ms: int,
+    interval_s: float, seed: int,
+) -> dict[str, Any]:
+    async with Client(info.bootstrap, info.redis_url, tenant="bench", admission=False) as probe:
+        await wait_until_served(probe, MODEL)
+        capacity = await _capacity(probe, seconds=8.0)
+    _log(f"capacity {capacity:.1f}/s; surge {factor * capacity:.0f}/s for {surge_s:.0f} s, "
+         f"then {capacity / 2:.0f}/s for {normal_s:.0f} s")
+    report: dict[str, Any] = {
+        "model": f"simulated accelerator, {per_input_ms:g} ms per input (batching buys nothing)",
+        "capacity_rps": round(capacity, 1), "surge_rps": round(factor * capacity, 1), "surge_s": surge_s,
+        "normal_rps": round(capacity / 2, 1), "normal_s": normal_s, "deadline_ms": deadline_ms,
+        "priority_mix": {p.label: share for p, share in PRIORITY_MIX}, "lagmon_interval_s": interval_s,
+    }
+    for name, backpressure in (("with_backpressure", True), ("without_backpressure", False)):
+        await _wait_drained(info)
+        _log(name)
+        report[name] = await _run(info, backpressure, capacity, factor, surge_s, normal_s, deadline_ms,
+                                  interval_s, seed)
+        _log(f"  {report[name]}")
+    return report
+
+
+async def _capacity(client: Client, seconds: float, concurrency: int = 16) -> float:
+    """Requests/s served with ``concurrency`` callers always waiting: the worker never idles."""
+    done = 0
+    end = time.monotonic() + seconds
+
+    async def caller() -> None:
+        nonlocal done
+        while time.monotonic() < end:
+            with contextlib.suppress(KinferError):
+                await client.infer(MODEL, ["capacity probe"], deadline_ms=30_000)
+                done += 1
+
+    start = time.monotonic()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return done / (time.monotonic() - start)
+
+
+def _schedule(
+    rng: random.Random, rate: float, seconds: float, start: float, phase: str
+) -> list[tuple[float, str, Priority]]:
+    out: list[tuple[float, str, Priority]] = []
+    at = start
+    while True:
+        at += rng.expovariate(rate)
+        if at >= start + seconds:
+            return out
+        priority = rng.choices([p for p, _ in PRIORITY_MIX], weights=[w for _, w in PRIORITY_MIX])[0]
+        out.append((at, phase, priority))
+
+
+async def _run(
+    info: StackInfo, backpressure: bool, capacity: float, factor: float, surge_s: float, normal_s: float,
+    deadline_ms: int, interval_s: float, seed: int,
+) -> dict[str, Any]:
+    stop = asyncio.Event()
+    tasks = []
+    if backpressure:
+        monitor = LagMonitor(info.bootstrap, info.redis_url, models=[MODEL], interval_s=interval_s)
+        tasks.append(asyncio.create_task(monitor.run(stop)))
+    lags: list[tuple[float, int]] = []
+    tasks.append(asyncio.create_task(_sample_lag(info, lags, stop)))
+    outcomes: list[Outcome] = []
+    async with Client(info.bootstrap, info.redis_url, tenant="bench", admission=backpressure) as client:
+        if backpressure:  # the client obeys a signal from its first request
+            await _until(lambda: client.health(MODEL) is not None, timeout_s=30.0)
+
+        async def one(phase: str, priority: Priority, scheduled: float) -> None:
+            called = time.monotonic()
+            try:
+                await client.infer(MODEL, [f"{phase} request"], priority=priority, deadline_ms=deadline_ms)
+                kind = "ok"
+            except Overloaded:
+                kind = "rejected"
+            except Shed:
+                kind = "shed"
+            except DeadlineExceeded as exc:
+                kind = "expired" if exc.answered else "unanswered"
+            except KinferError as exc:
+                kind = type(exc).__name__
+            end = time.monotonic()
+            outcomes.append(Outcome(phase, priority, kind, (end - scheduled) * 1000.0, (end - called) * 1000.0))
+
+        rng = random.Random(seed)
+        t0 = time.monotonic() + 0.2
+        plan = _schedule(rng, factor * capacity, surge_s, t0, "surge")
+        plan += _schedule(rng, capacity / 2, normal_s, t0 + surge_s, "normal")
+        running = []
+        for at, phase, priority in plan:
+            delay = at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            running.append(asyncio.create_task(one(phase, priority, at)))
+        await asyncio.gather(*running)
+        await _wait_drained(info)
+        await asyncio.sleep(1.0)  # replies that come after their caller gave up are counted as late
+        late = client.late_replies
+    stop.set()
+    await asyncio.gather(*tasks)
+    return _summarize(outcomes, lags, t0 + surge_s, late, deadline_ms, capacity)
+
+
+def _summarize(
+    outcomes: list[Outcome], lags: list[tuple[float, int]], surge_end: float, late: int, deadline_ms: int,
+    capacity: float,
+) -> dict[str, Any]:
+    accepted = [o for o in outcomes if o.kind != "rejected"]
+    rejected = [o for o in outcomes if o.kind == "rejected"]
+    unanswered = sum(o.kind == "unanswered" for o in accepted)
+    def missed(o: Outcome) -> bool:
+        return o.kind != "ok" or o.latency_ms > deadline_ms
+
+    misses = [o for o in accepted if missed(o)]
+    settled = max(1, round(capacity * 0.1))  # what the worker clears in 100 ms
+    recovered = next((t for t, lag in lags if t >= surge_end and lag <= settled), None)
+
+    def ms(values: list[float], q: float) -> float | None:
+        return round(percentile(values, q), 1) if values else None
+
+    by_priority = {
+        p.label: {
+            "offered": sum(o.priority == p for o in outcomes),
+            "accepted": sum(o.priority == p for o in accepted),
+            "served_in_time": sum(o.priority == p and not missed(o) for o in accepted),
+            "deadline_misses": sum(o.priority == p for o in misses),
+        }
+        for p, _ in PRIORITY_MIX
+    }
+    return {
+        "offered": len(outcomes),
+        "accepted": len(accepted),
+        "rejected": len(rejected),
+        "lost": max(0, unanswered - late),
+        "accepted_p95_ms": ms([o.latency_ms for o in accepted], 95),
+        "accepted_p99_ms": ms([o.latency_ms for o in accepted], 99),
+        "deadline_misses": len(misses),
+        "reject_p99_ms": ms([o.call_ms for o in rejected], 99),
+        "recovery_s": round(recovered - surge_end, 2) if recovered is not None else None,
+        "served_in_time": len(accepted) - len(misses),
+        "peak_lag": max((lag for _, lag in lags), default=0),
+        "outcomes": dict(sorted({k: sum(o.kind == k for o in outcomes) for k in {o.kind for o in outcomes}}.items())),
+        "by_priority": by_priority,
+    }
+
+
+async def _sample_lag(info: StackInfo, into: list[tuple[float, int]], stop: asyncio.Event) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=info.bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=info.bootstrap, enable_auto_commit=False)
+    await admin.start()
+    await consumer.start()
+    try:
+        while not stop.is_set():
+            offsets = await read_offsets(admin, consumer, MODEL)
+            if offsets is not None:
+                into.append((time.monotonic(), sum(offsets.lag)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+    finally:
+        await consumer.stop()
+        await admin.close()
+
+
+async def _wait_drained(info: StackInfo, timeout_s: float = 120.0) -> None:
+    """Until the model's lag is zero (what a run left behind must not leak into the next)."""
+    lags: list[tuple[float, int]] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample_lag(info, lags, stop))
+    try:
+        await _until(lambda: bool(lags) and lags[-1][1] == 0, timeout_s)
+    finally:
+        stop.set()
+        await sampler
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up after {timeout_s:.0f} s")
+        await asyncio.sleep(0.05)
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
