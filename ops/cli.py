@@ -220,7 +220,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ops.overload import bench_overload
 
         report = bench_overload(surge_s=args.surge_s, normal_s=args.normal_s, factor=args.factor,
-                                per_input_ms=args.per_input_ms, deadline_ms=args.deadline_ms)
+                                per_input_ms=args.per_input_ms, deadline_ms=args.deadline_ms,
+                                neighbour_s=args.neighbour_s)
     else:
         report = bench_batching(
             seconds_per_step=args.seconds_per_step, steps=args.steps, policies=args.policy, model=args.model,
@@ -355,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--factor", type=float, default=3.0, help="surge rate / measured capacity")
     bo.add_argument("--per-input-ms", type=float, default=20.0, help="the simulated model's cost per input")
     bo.add_argument("--deadline-ms", type=int, default=250)
+    bo.add_argument("--neighbour-s", type=float, default=15.0,
+                    help="per phase of the co-located 10x spike run (0: skip it)")
     bo.set_defaults(func=cmd_bench)
     return p
 

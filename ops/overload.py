@@ -43,6 +43,7 @@ from topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 MODEL = "bench-overload"
+NEIGHBOURS = ("bench-busy", "bench-quiet")  # co-located on one worker for the spike run
 PRIORITY_MIX = ((Priority.P0, 0.2), (Priority.P1, 0.5), (Priority.P2, 0.3))
 
 
@@ -58,6 +59,7 @@ class Outcome:
 def bench_overload(
     surge_s: float = 30.0, normal_s: float = 10.0, factor: float = 3.0, per_input_ms: float = 20.0,
     deadline_ms: int = 250, interval_s: float = 0.25, seed: int = 5, info: StackInfo | None = None,
+    neighbour_s: float = 15.0,
 ) -> dict[str, Any]:
     """Runs on ``info`` when given (the caller's Kafka and Redis), else on the local stack."""
     stack = LocalStack() if info is None else None
@@ -74,7 +76,8 @@ def bench_overload(
         proc = spawn_worker(info, MODEL, "--family", "noop", "--option", f"per_input_ms={per_input_ms}",
                             log_path=os.path.join(info.home, "bench-overload.log"))
         try:
-            return asyncio.run(_bench(info, surge_s, normal_s, factor, per_input_ms, deadline_ms, interval_s, seed))
+            return asyncio.run(_bench(info, surge_s, normal_s, factor, per_input_ms, deadline_ms, interval_s, seed,
+                                      neighbour_s))
         finally:
             stop_process(proc)
             stop_process(telemetry)
@@ -85,7 +88,7 @@ def bench_overload(
 
 async def _bench(
     info: StackInfo, surge_s: float, normal_s: float, factor: float, per_input_ms: float, deadline_ms: int,
-    interval_s: float, seed: int,
+    interval_s: float, seed: int, neighbour_s: float,
 ) -> dict[str, Any]:
     async with Client(info.bootstrap, info.redis_url, tenant="bench", admission=False) as probe:
         await wait_until_served(probe, MODEL)
@@ -104,7 +107,68 @@ async def _bench(
         report[name] = await _run(info, backpressure, capacity, factor, surge_s, normal_s, deadline_ms,
                                   interval_s, seed)
         _log(f"  {report[name]}")
+    if neighbour_s > 0:
+        _log("neighbours: a 10x spike on one of two co-located models")
+        report["neighbours"] = await _neighbour(info, neighbour_s, 10.0, per_input_ms)
     return report
+
+
+async def _neighbour(info: StackInfo, seconds: float, spike: float, per_input_ms: float) -> dict[str, Any]:
+    """Two models co-located on one worker: the quiet one's latency while the other spikes ``spike``×.
+
+    Each model normally gets a fifth of the worker's capacity; then, for the same length of time,
+    the busy one is offered ``spike`` times that (twice the whole worker). Admission is on.
+    """
+    await ensure_topics(info.bootstrap, [*model_topic_specs(NEIGHBOURS[0], 3), *model_topic_specs(NEIGHBOURS[1], 3)])
+    proc = spawn_worker(info, NEIGHBOURS[0], "--model", NEIGHBOURS[1], "--family", "noop",
+                        "--option", f"per_input_ms={per_input_ms}",
+                        log_path=os.path.join(info.home, "bench-overload-neighbours.log"))
+    busy, quiet = NEIGHBOURS
+    normal = 1000.0 / per_input_ms / 5
+    stop = asyncio.Event()
+    monitor = LagMonitor(info.bootstrap, info.redis_url, models=list(NEIGHBOURS), interval_s=0.25)
+    watching = asyncio.create_task(monitor.run(stop))
+    try:
+        async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
+            await wait_until_served(client, busy)
+            await wait_until_served(client, quiet)
+            phases: dict[str, dict[str, Any]] = {}
+            for phase, busy_rate in (("baseline", normal), ("spike", spike * normal)):
+                latencies: dict[str, list[float]] = {busy: [], quiet: []}
+                refused = {busy: 0, quiet: 0}
+
+                async def one(model: str, scheduled: float, into: dict[str, list[float]] = latencies,
+                              refusals: dict[str, int] = refused) -> None:
+                    try:
+                        await client.infer(model, ["neighbour"], priority=Priority.P1, deadline_ms=1_000)
+                        into[model].append((time.monotonic() - scheduled) * 1000.0)
+                    except KinferError:
+                        refusals[model] += 1
+
+                rng = random.Random(len(phases))
+                t0 = time.monotonic() + 0.1
+                plan = sorted([(at, busy) for at, _, _ in _schedule(rng, busy_rate, seconds, t0, phase)]
+                              + [(at, quiet) for at, _, _ in _schedule(rng, normal, seconds, t0, phase)])
+                running = []
+                for at, model in plan:
+                    delay = at - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    running.append(asyncio.create_task(one(model, at)))
+                await asyncio.gather(*running)
+                phases[phase] = {
+                    "busy_offered_rps": round(busy_rate, 1), "quiet_offered_rps": round(normal, 1),
+                    "quiet_p95_ms": round(percentile(latencies[quiet], 95), 1),
+                    "quiet_p99_ms": round(percentile(latencies[quiet], 99), 1),
+                    "quiet_refused": refused[quiet], "busy_served": len(latencies[busy]), "busy_refused": refused[busy],
+                }
+                _log(f"  {phase}: {phases[phase]}")
+                await _wait_drained(info, busy)
+    finally:
+        stop.set()
+        await watching
+        stop_process(proc)
+    return {"spike_factor": spike, **phases}
 
 
 async def _capacity(client: Client, seconds: float, concurrency: int = 16) -> float:
@@ -231,14 +295,14 @@ def _summarize(
     }
 
 
-async def _sample_lag(info: StackInfo, into: list[tuple[float, int]], stop: asyncio.Event) -> None:
+async def _sample_lag(info: StackInfo, into: list[tuple[float, int]], stop: asyncio.Event, model: str = MODEL) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=info.bootstrap)
     consumer = AIOKafkaConsumer(bootstrap_servers=info.bootstrap, enable_auto_commit=False)
     await admin.start()
     await consumer.start()
     try:
         while not stop.is_set():
-            offsets = await read_offsets(admin, consumer, MODEL)
+            offsets = await read_offsets(admin, consumer, model)
             if offsets is not None:
                 into.append((time.monotonic(), sum(offsets.lag)))
             with contextlib.suppress(TimeoutError):
@@ -248,11 +312,11 @@ async def _sample_lag(info: StackInfo, into: list[tuple[float, int]], stop: asyn
         await admin.close()
 
 
-async def _wait_drained(info: StackInfo, timeout_s: float = 120.0) -> None:
+async def _wait_drained(info: StackInfo, model: str = MODEL, timeout_s: float = 120.0) -> None:
     """Until the model's lag is zero (what a run left behind must not leak into the next)."""
     lags: list[tuple[float, int]] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample_lag(info, lags, stop))
+    sampler = asyncio.create_task(_sample_lag(info, lags, stop, model))
     try:
         await _until(lambda: bool(lags) and lags[-1][1] == 0, timeout_s)
     finally:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(600)
 def test_backpressure_turns_a_surge_into_early_refusals_instead_of_deadline_misses(stack: StackInfo) -> None:
-    report = bench_overload(surge_s=8.0, normal_s=4.0, info=stack)
+    report = bench_overload(surge_s=8.0, normal_s=4.0, info=stack, neighbour_s=0)
     with_bp, without = report["with_backpressure"], report["without_backpressure"]
 
     assert with_bp["offered"] == without["offered"]  # the same schedule, side by side
