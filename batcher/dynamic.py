@@ -239,11 +239,16 @@ class DynamicBatcher(Generic[T]):
             self._codel.observe(self._standing(now), now)
         return dropped
 
-    def next_batch(self, now: float, *, idle: bool) -> Batch[T] | None:
-        """The next batch to run, or None if nothing should go out yet (see the module doc)."""
+    def next_batch(self, now: float, *, idle: bool, max_batch_s: float | None = None) -> Batch[T] | None:
+        """The next batch to run, or None if nothing should go out yet (see the module doc).
+
+        ``max_batch_s``: no request joins a batch whose predicted run would exceed it (the first
+        always goes) — a worker passes its fair-share quantum while other models wait, so a
+        backlog here cannot hold the executor for a long batch while a neighbour's request waits.
+        """
         if not self._items:
             return None
-        taken, full = self._plan(now)
+        taken, full = self._plan(now, max_batch_s)
         predicted = self.predict(taken)
         # The ceiling is on the oldest queued request, taken or not: a request held out of this
         # batch (by priority or padding) still makes the batch go, so it is next in line.
@@ -285,7 +290,7 @@ class DynamicBatcher(Generic[T]):
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _plan(self, now: float) -> tuple[list[Pending[T]], bool]:
+    def _plan(self, now: float, max_batch_s: float | None = None) -> tuple[list[Pending[T]], bool]:
         ranked = sorted(self._items.values(), key=lambda p: (p.level(now, self._aging_s), p.seq))
         first = ranked[0]
         taken = [first]
@@ -304,7 +309,10 @@ class DynamicBatcher(Generic[T]):
                 full = True
                 closed_below = lvl if closed_below is None else closed_below
                 continue
-            new_cost = self._cost(new_size, new_longest) if cost_aware else 0.0
+            new_cost = self._cost(new_size, new_longest) if cost_aware or max_batch_s is not None else 0.0
+            if max_batch_s is not None and new_cost > max_batch_s:
+                full = True  # as long as it may be: it goes now
+                break
             pays = not cost_aware or self._pays(
                 grows_by=new_cost - cost, alone=self._cost(p.size, p.longest), riding=len(taken),
                 behind=len(ranked) - i - 1 + (i - len(taken)),

@@ -8,6 +8,7 @@ Both turn what happened into replies here, so the worker itself only moves bytes
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,9 @@ class Job:
 
 
 @dataclass(eq=False, kw_only=True)
-class Lane:
+class Lane(abc.ABC):
+    """What every lane keeps (its consumer, offsets, paused priorities) and must answer."""
+
     spec: ModelSpec
     tracker: OffsetTracker[TopicPartition] = field(default_factory=OffsetTracker)
     consumer: AIOKafkaConsumer | None = None
@@ -43,15 +46,16 @@ class Lane:
         return self.spec.name
 
     @property
-    def model_runner(self) -> Runner:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def model_runner(self) -> Runner: ...
 
+    @abc.abstractmethod
     def buffered(self) -> int:
         """Work fetched and not started (inputs or requests): what flow control bounds."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def has_work(self) -> bool:
-        raise NotImplementedError
+        """Anything to run or to answer."""
 
 
 @dataclass(eq=False, kw_only=True)

@@ -367,7 +367,11 @@ class Worker:
                     return
             else:
                 assert isinstance(lane, BatchLane)
-                batch = lane.batcher.next_batch(now, idle=True)
+                # While other models wait, a batch may not outlast the fair-share quantum.
+                others = any(other is not lane and other.has_work() for other in self.lanes.values())
+                batch = lane.batcher.next_batch(
+                    now, idle=True, max_batch_s=self.settings.fair_quantum_ms / 1000.0 if others else None
+                )
                 if batch is not None:
                     self._free_at = now + batch.predicted_s
                     self._computing = self._spawn(self._compute(lane, batch))

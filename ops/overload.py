@@ -12,6 +12,7 @@ deadline. Once with the lag monitor running and clients obeying it, once with bo
   as answered);
 - ``accepted_p95_ms`` / ``accepted_p99_ms``: scheduled send to the final answer of every accepted
   request, whatever that answer was (served, shed, expired, or the client's own timeout);
+- ``served_p99_ms``: the same, over the accepted requests that were served;
 - ``deadline_misses``: accepted requests not served by their deadline;
 - ``reject_p99_ms``: how long a refused caller waited to be told;
 - ``recovery_s``: from the end of the surge until the lag is down to what the worker clears in
@@ -41,6 +42,7 @@ from ops.stack import LocalStack, StackInfo
 from producers import Client
 from topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from topics.health import Level
 
 MODEL = "bench-overload"
 NEIGHBOURS = ("bench-busy", "bench-quiet")  # co-located on one worker for the spike run
@@ -132,6 +134,9 @@ async def _neighbour(info: StackInfo, seconds: float, spike: float, per_input_ms
         async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
             await wait_until_served(client, busy)
             await wait_until_served(client, quiet)
+            # Starting the worker stalled the queue for a moment; start once the monitor says so.
+            await _until(lambda: all((h := client.health(m)) is not None and h.level == Level.OK
+                                     for m in NEIGHBOURS), timeout_s=60.0)
             phases: dict[str, dict[str, Any]] = {}
             for phase, busy_rate in (("baseline", normal), ("spike", spike * normal)):
                 latencies: dict[str, list[float]] = {busy: [], quiet: []}
@@ -285,6 +290,7 @@ def _summarize(
         "lost": max(0, unanswered - late),
         "accepted_p95_ms": ms([o.latency_ms for o in accepted], 95),
         "accepted_p99_ms": ms([o.latency_ms for o in accepted], 99),
+        "served_p99_ms": ms([o.latency_ms for o in accepted if o.kind == "ok"], 99),
         "deadline_misses": len(misses),
         "reject_p99_ms": ms([o.call_ms for o in rejected], 99),
         "recovery_s": round(recovered - surge_end, 2) if recovered is not None else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -68,3 +69,4 @@ async def wait_until_served(client: Client, model: str, timeout_s: float = 180.0
         except KinferError:
             if time.monotonic() > deadline:
                 raise
+            await asyncio.sleep(0.2)  # refused or not served yet: ask again, but do not hammer

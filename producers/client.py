@@ -56,6 +56,10 @@ from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, parse_request_topi
 
 log = logging.getLogger(__name__)
 
+# A model found missing is answered from memory this long: a caller retrying an unknown model (or
+# a fuzzer) costs one metadata round trip per second, not one per request.
+MISSING_TOPIC_TTL_S = 1.0
+
 
 @dataclass(frozen=True, slots=True)
 class ClientSettings:
@@ -92,6 +96,7 @@ class Client:
             prefer_kafka=self.settings.reply_via == "kafka",
         )
         self._known_topics: set[str] = set()
+        self._missing_topics: dict[str, float] = {}  # topic -> until when "unknown" is answered from memory
         self._health = HealthWatch(self._redis)
         self._throttles: dict[str, AdaptiveThrottle] = {}
         self._sent: dict[str, SendLog] = {}
@@ -351,10 +356,14 @@ class Client:
     async def _check_topic(self, topic: str, model: str) -> None:
         if topic in self._known_topics:
             return
+        if self._missing_topics.get(topic, 0.0) > time.monotonic():  # asked a moment ago: still unknown
+            raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
         try:  # one metadata round trip; the broker never creates request topics by itself
             cluster = await asyncio.wait_for(self._producer.client.fetch_all_metadata(), 5.0)
         except (KafkaError, TimeoutError) as exc:
             raise Unavailable(f"Kafka metadata unavailable: {exc}") from exc
         if topic not in cluster.topics():
+            self._missing_topics[topic] = time.monotonic() + MISSING_TOPIC_TTL_S
             raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
         self._known_topics.add(topic)
+        self._missing_topics.pop(topic, None)

@@ -15,8 +15,10 @@ from ops.load import make_texts
 from ops.procs import wait_until_served
 from ops.stack import StackInfo
 from producers import BlockingClient, Client
+from producers.client import MISSING_TOPIC_TTL_S
 from tests.integration.conftest import WorkerProcess
-from topics import InvalidRequest, KinferError, Priority, Result, UnknownModel, pack
+from topics import DeadlineExceeded, InvalidRequest, KinferError, Priority, Result, UnknownModel, pack
+from topics.admin import ensure_topics, model_topic_specs
 
 pytestmark = pytest.mark.integration
 
@@ -91,6 +93,31 @@ async def test_a_second_copy_of_a_reply_never_reaches_the_caller(
 async def test_unknown_model_fails_before_sending(client: Client) -> None:
     with pytest.raises(UnknownModel, match="not served"):
         await client.infer("no-such-model", ["x"], deadline_ms=2_000)
+
+
+async def test_a_missing_model_is_remembered_briefly_and_found_once_created(
+    client: Client, stack: StackInfo, model_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(UnknownModel):
+        await client.infer(model_name, ["x"], deadline_ms=300)
+    lookups = 0
+    fetch = client._producer.client.fetch_all_metadata
+
+    async def counting() -> object:
+        nonlocal lookups
+        lookups += 1
+        return await fetch()
+
+    monkeypatch.setattr(client._producer.client, "fetch_all_metadata", counting)
+    with pytest.raises(UnknownModel):
+        await client.infer(model_name, ["x"], deadline_ms=300)
+    assert lookups == 0  # answered from memory: no metadata round trip per request
+
+    await ensure_topics(stack.bootstrap, model_topic_specs(model_name, 3))
+    await asyncio.sleep(MISSING_TOPIC_TTL_S)
+    with pytest.raises(DeadlineExceeded) as waited:  # published this time (no worker serves it)
+        await client.infer(model_name, ["x"], deadline_ms=300)
+    assert not waited.value.answered and lookups == 1
 
 
 def test_blocking_client_and_pipelined_infer_many(

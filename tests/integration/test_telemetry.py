@@ -4,9 +4,7 @@ tables, publishes summaries to Redis, and survives a restart without forgetting 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -16,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from ops.procs import spawn_telemetry
 from ops.stack import StackInfo
 from producers import Client
 from tests.integration.conftest import WorkerProcess
@@ -33,11 +32,8 @@ class Telemetry:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = {**os.environ, **self.stack.env()}
-        cmd = [sys.executable, "-m", "ops.cli", "telemetry", "--app-id", self.app_id, "--window-s", "120",
-               "--publish-s", "0.3"]
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = spawn_telemetry(self.stack, "--app-id", self.app_id, "--window-s", "120", "--publish-s", "0.3",
+                                    log_path=str(self.log_path))
 
     def stop(self) -> int:
         assert self.proc is not None

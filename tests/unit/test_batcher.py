@@ -105,6 +105,22 @@ def test_gpu_like_costs_batch_everything_together() -> None:
     assert names(b.next_batch(0.01, idle=True)) == ["len20", "len120", "len22", "len110", "len25", "len115"]
 
 
+def test_a_batch_may_be_capped_in_predicted_duration() -> None:
+    # A backlog under a large fixed cost (30 ms + 5 ms an input) batches nearly all of itself;
+    # capped at 45 ms, three inputs fit; and the first request always goes, however long it takes.
+    prior = ServicePrior(fixed_s=0.030, per_token_s=0.0, per_input_s=0.005)
+
+    def backlog() -> DynamicBatcher[str]:
+        b = make_batcher(prior, max_batch_size=32)
+        for i in range(10):
+            add(b, f"r{i}", i * 0.001)
+        return b
+
+    assert len(names(backlog().next_batch(0.02, idle=True))) >= 9
+    assert len(names(backlog().next_batch(0.02, idle=True, max_batch_s=0.045))) == 3
+    assert len(names(backlog().next_batch(0.02, idle=True, max_batch_s=0.001))) == 1
+
+
 def test_cpu_like_costs_batch_only_similar_lengths_and_only_under_backlog() -> None:
     light = make_batcher(CPU, max_batch_size=8)
     add(light, "a", 0.0, longest=30)
