@@ -5,9 +5,9 @@ log-end and committed offsets. Arrival and drain rates are the smoothed slopes o
 Capacity is the drain rate of intervals the workers were certainly busy throughout (the queue at
 the start held more than they drained), smoothed faster and kept while no queue stands: a drain
 rate measured below saturation is only the arrival rate. The predicted wait of a new request is
-``lag / capacity`` (``lag / drain rate`` until a busy interval has been seen). The level rises as soon as the
-*smoothed* wait crosses a threshold, and falls only once it has stayed below ``exit_ratio`` of that
-threshold for ``min_dwell_s`` — a momentary spike or dip changes nothing.
+``lag / capacity`` (Little's law; ``lag / drain rate`` until a busy interval has been seen).
+The level rises as soon as the *smoothed* wait crosses a threshold, and falls only once it has
+stayed below ``exit_ratio`` of that threshold for ``min_dwell_s`` — a blip changes nothing.
 """
 
 from __future__ import annotations
@@ -57,14 +57,20 @@ class HealthEstimator:
         self._below_since: float | None = None
         self._primed = False
         self._drain_primed = False
+        self._capacity_known = False  # given by the caller: not estimated from offsets
         self._stalled_since: float | None = None  # waiting records and nothing drained since then
         self._now = 0.0
 
     def observe(
         self, now: float, lag: int, log_end_total: int, committed_total: int,
-        log_end_by_priority: tuple[int, int, int] | None = None,
+        log_end_by_priority: tuple[int, int, int] | None = None, capacity_rps: float | None = None,
     ) -> Level:
+        """One poll. ``capacity_rps``: the workers' capacity measured elsewhere (the telemetry
+        stream: compute time, not offsets — a record the workers refuse is committed at once and
+        would make the lag-based estimate look faster than any forward pass)."""
         self.lag = max(0, lag)
+        if capacity_rps is not None and capacity_rps > 0:
+            self.capacity_rps, self._capacity_known = capacity_rps, True
         if self._last is not None and now > self._last[0]:
             dt = now - self._last[0]
             alpha = 1.0 - math.exp(-dt / self.policy.smoothing_s)
@@ -78,12 +84,15 @@ class HealthEstimator:
             if log_end_by_priority is not None and self._ends_by_priority is not None:
                 for p, (end, before) in enumerate(zip(log_end_by_priority, self._ends_by_priority, strict=True)):
                     self.arrival_by_priority[p] += first * (max(0, end - before) / dt - self.arrival_by_priority[p])
-            if drained > 0 or self._drain_primed:
+            if self._last[3] > 0 or drained > 0:  # something to drain: an idle spell says nothing of speed
                 self.drain_rps += (alpha if self._drain_primed else 1.0) * (drained / dt - self.drain_rps)
                 self._drain_primed = True
-            if self._last[3] > drained > 0:  # more was queued than drained: busy all interval long
+            if self._last[3] > drained > 0 and not self._capacity_known:  # busy all interval long
                 self._observe_capacity(drained / dt, dt)
-            self._stalled_since = None if drained > 0 or self.lag == 0 else (self._stalled_since or self._last[0])
+            if drained > 0 or self.lag == 0:
+                self._stalled_since = None
+            elif self._stalled_since is None:  # waiting since the last poll, or since now if they just came
+                self._stalled_since = self._last[0] if self._last[3] > 0 else now
             self._now = now
             self.wait_ms += alpha * (self.instant_wait_ms() - self.wait_ms)
         self._last = (now, log_end_total, committed_total, self.lag)
@@ -98,12 +107,18 @@ class HealthEstimator:
             self.capacity_rps += (1.0 - math.exp(-dt / self.policy.capacity_smoothing_s)) * (sample - self.capacity_rps)
 
     def instant_wait_ms(self) -> float:
-        """The wait the current lag means, unsmoothed."""
+        """The wait the current lag means, unsmoothed: Little's law, lag over throughput.
+
+        The throughput is the capacity once known, else the drain rate measured while there was
+        something to drain (idle spells leave it alone: decayed towards zero it would turn the
+        next burst into seconds of imagined wait). A queue that has not moved at all has waited
+        at least that long, whatever the rates say (a stuck or missing worker).
+        """
         if self.lag == 0:
             return 0.0
         stalled_ms = 0.0 if self._stalled_since is None else 1000.0 * (self._now - self._stalled_since)
         rate = max(self.capacity_rps, self.drain_rps)  # the workers cannot drain faster than they can
-        if rate <= 1e-6:  # never drained anything: records have waited at least as long as nothing moved
+        if rate <= 1e-6:
             return stalled_ms
         return max(1000.0 * self.lag / rate, stalled_ms)
 

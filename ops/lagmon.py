@@ -110,10 +110,8 @@ class LagMonitor:
             lag = sum(offsets.lag)
             stats = await self._telemetry(redis, model)
             estimator = self._estimators.setdefault(model, HealthEstimator(self.policy))
-            if stats is not None and stats.capacity_rps > 0:
-                estimator.capacity_rps = stats.capacity_rps  # measured by the workers: better than lag can tell
             level = estimator.observe(time.monotonic(), lag, sum(offsets.log_end), offsets.committed_total,
-                                      offsets.log_end)
+                                      offsets.log_end, capacity_rps=stats.capacity_rps if stats else None)
             state = HealthState(
                 model=model, level=level, predicted_wait_ms=round(estimator.instant_wait_ms(), 1),
                 retry_after_ms=estimator.retry_after_ms(), lag=lag, arrival_rps=round(estimator.arrival_rps, 2),

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import os
 import random
+import subprocess
 import sys
 import time
 import uuid
@@ -35,9 +36,9 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from ops.lagmon import LagMonitor, read_offsets
+from ops.lagmon import read_offsets
 from ops.load import percentile
-from ops.procs import spawn_telemetry, spawn_worker, stop_process, wait_until_served
+from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo
 from producers import Client
 from topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
@@ -72,9 +73,9 @@ def bench_overload(
     try:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, 3)]))
         # The telemetry stream tells the lag monitor the workers' capacity and service time.
-        telemetry = spawn_telemetry(info, "--app-id", f"kinfer-telemetry-bench-{uuid.uuid4().hex[:6]}",
-                                    "--window-s", "5", "--publish-s", "0.5",
-                                    log_path=os.path.join(info.home, "bench-overload-telemetry.log"))
+        telemetry = spawn(info, "telemetry", "--app-id", f"kinfer-telemetry-bench-{uuid.uuid4().hex[:6]}",
+                          "--window-s", "5", "--publish-s", "0.5",
+                          log_path=os.path.join(info.home, "bench-overload-telemetry.log"))
         proc = spawn_worker(info, MODEL, "--family", "noop", "--option", f"per_input_ms={per_input_ms}",
                             log_path=os.path.join(info.home, "bench-overload.log"))
         try:
@@ -127,9 +128,7 @@ async def _neighbour(info: StackInfo, seconds: float, spike: float, per_input_ms
                         log_path=os.path.join(info.home, "bench-overload-neighbours.log"))
     busy, quiet = NEIGHBOURS
     normal = 1000.0 / per_input_ms / 5
-    stop = asyncio.Event()
-    monitor = LagMonitor(info.bootstrap, info.redis_url, models=list(NEIGHBOURS), interval_s=0.25)
-    watching = asyncio.create_task(monitor.run(stop))
+    monitor = _spawn_lagmon(info, NEIGHBOURS, 0.25)
     try:
         async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
             await wait_until_served(client, busy)
@@ -170,8 +169,7 @@ async def _neighbour(info: StackInfo, seconds: float, spike: float, per_input_ms
                 _log(f"  {phase}: {phases[phase]}")
                 await _wait_drained(info, busy)
     finally:
-        stop.set()
-        await watching
+        stop_process(monitor)
         stop_process(proc)
     return {"spike_factor": spike, **phases}
 
@@ -211,12 +209,9 @@ async def _run(
     deadline_ms: int, interval_s: float, seed: int,
 ) -> dict[str, Any]:
     stop = asyncio.Event()
-    tasks = []
-    if backpressure:
-        monitor = LagMonitor(info.bootstrap, info.redis_url, models=[MODEL], interval_s=interval_s)
-        tasks.append(asyncio.create_task(monitor.run(stop)))
+    monitor = _spawn_lagmon(info, (MODEL,), interval_s) if backpressure else None  # its own process, as deployed
     lags: list[tuple[float, int]] = []
-    tasks.append(asyncio.create_task(_sample_lag(info, lags, stop)))
+    sampler = asyncio.create_task(_sample_lag(info, lags, stop))
     outcomes: list[Outcome] = []
     async with Client(info.bootstrap, info.redis_url, tenant="bench", admission=backpressure) as client:
         if backpressure:  # the client obeys a signal from its first request
@@ -253,7 +248,9 @@ async def _run(
         await asyncio.sleep(1.0)  # replies that come after their caller gave up are counted as late
         late = client.late_replies
     stop.set()
-    await asyncio.gather(*tasks)
+    await sampler
+    if monitor is not None:
+        stop_process(monitor)
     return _summarize(outcomes, lags, t0 + surge_s, late, deadline_ms, capacity)
 
 
@@ -296,6 +293,9 @@ def _summarize(
         "recovery_s": round(recovered - surge_end, 2) if recovered is not None else None,
         "served_in_time": len(accepted) - len(misses),
         "peak_lag": max((lag for _, lag in lags), default=0),
+        # The load generator's own lateness (actual call - scheduled send): latencies above count from
+        # the schedule, so a generator that falls behind is charged, not hidden.
+        "send_lag_p99_ms": ms([o.latency_ms - o.call_ms for o in outcomes], 99),
         "outcomes": dict(sorted({k: sum(o.kind == k for o in outcomes) for k in {o.kind for o in outcomes}}.items())),
         "by_priority": by_priority,
     }
@@ -328,6 +328,12 @@ async def _wait_drained(info: StackInfo, model: str = MODEL, timeout_s: float = 
     finally:
         stop.set()
         await sampler
+
+
+def _spawn_lagmon(info: StackInfo, models: tuple[str, ...], interval_s: float) -> subprocess.Popen[bytes]:
+    args = [a for m in models for a in ("--model", m)]
+    return spawn(info, "lagmon", *args, "--interval-s", str(interval_s),
+                 log_path=os.path.join(info.home, "bench-overload-lagmon.log"))
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float) -> None:

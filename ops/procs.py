@@ -15,21 +15,15 @@ from producers import Client
 from topics import KinferError
 
 
-def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
+def spawn(info: StackInfo, *args: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
+    """A ``kinfer`` subcommand as a child process on the stack ``info``."""
     env = {**os.environ, **info.env(), "HF_HUB_OFFLINE": "1"}
     with open(log_path or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(
-            [sys.executable, "-m", "ops.cli", "worker", "--model", model, *extra],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
+        return subprocess.Popen([sys.executable, "-m", "ops.cli", *args], env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def spawn_telemetry(info: StackInfo, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **info.env()}
-    with open(log_path or os.devnull, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "ops.cli", "telemetry", *extra], env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
+    return spawn(info, "worker", "--model", model, *extra, log_path=log_path)
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -63,6 +63,9 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", store="memory://", topic_partitions=1, topic_replication_factor=1,
         web_enabled=False, datadir=data_dir or f"/tmp/{app_id}-data", producer_acks=-1,
+        # A new processor starts at the end of kinfer.stats (its windows are about now); a restarted
+        # one resumes from its committed offsets and changelogs.
+        consumer_auto_offset_reset="latest",
     )
     source = app.topic(STATS_TOPIC, key_serializer="raw", value_serializer="raw")
     keep = timedelta(seconds=window_s * 6)

@@ -36,21 +36,20 @@ ADMIT = Decision(True)
 def expected_wait_ms(health: HealthState, priority: Priority, sent_since: int, now_ms: int) -> float:
     """The queueing a request of ``priority`` sent now should expect, between two health states.
 
-    The state is a poll old. Once the monitor knows the workers' capacity, this producer's own
-    sends since the state was measured are added to its lag and what the workers can have drained
-    meanwhile taken away, so a surge shows at once instead of a poll later. The queue drains for
-    this request at the capacity left over by higher priorities, which keep arriving and go first
-    (the whole lag counts, not only its own priority's and above: workers age waiting work up, so
-    an old p2 backlog does delay a p0 request). Without a capacity the state's wait stands (a
-    drain rate measured below saturation is only the arrival rate: an idle model would refuse a
-    burst).
+    The state is a poll old. This producer's own sends since the state was measured are added to
+    its lag and what the workers can have drained meanwhile taken away, so a surge shows at once
+    instead of a poll later. The queue drains for this request at the capacity left over by higher
+    priorities, which keep arriving and go first (the whole lag counts, not only its own priority's
+    and above: workers age waiting work up, so an old p2 backlog does delay a p0 request).
+    The rate is the workers' capacity; without one, the drain rate, but only while a queue stands
+    (below saturation the drain rate is the arrival rate: an idle model would refuse a burst).
     """
-    capacity = health.capacity_rps
-    if capacity <= 0:
+    rate = health.capacity_rps or (health.drain_rps if health.lag > 0 else 0.0)
+    if rate <= 0:
         return health.predicted_wait_ms
     elapsed_s = max(0, now_ms - health.updated_ms) / 1000.0
-    queued = max(0.0, health.lag + sent_since - capacity * elapsed_s)
-    left = max(capacity - sum(health.arrival_by_priority[: int(priority)]), capacity * 0.05)
+    queued = max(0.0, health.lag + sent_since - rate * elapsed_s)
+    left = max(rate - sum(health.arrival_by_priority[: int(priority)]), rate * 0.05)
     return 1000.0 * queued / left
 
 

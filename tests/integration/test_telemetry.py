@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from ops.procs import spawn_telemetry
+from ops.procs import spawn
 from ops.stack import StackInfo
 from producers import Client
 from tests.integration.conftest import WorkerProcess
@@ -32,8 +32,8 @@ class Telemetry:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.proc = spawn_telemetry(self.stack, "--app-id", self.app_id, "--window-s", "120", "--publish-s", "0.3",
-                                    log_path=str(self.log_path))
+        self.proc = spawn(self.stack, "telemetry", "--app-id", self.app_id, "--window-s", "120", "--publish-s", "0.3",
+                          log_path=str(self.log_path))
 
     def stop(self) -> int:
         assert self.proc is not None
@@ -67,6 +67,22 @@ async def wait_summary(stack: StackInfo, model: str, done: Callable[[ModelStats]
         await redis.aclose()
 
 
+async def wait_ready(stack: StackInfo, telemetry: Telemetry) -> None:
+    """Until the processor consumes: a probe model's record shows up in a summary."""
+    probe = f"probe-{uuid.uuid4().hex[:8]}"
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    try:
+        for _ in range(240):
+            await publish(stack, [BatchStats(probe, "w0", now_ms(), size=1, requests=1, compute_ms=1.0)])
+            if await redis.get(stats_key(probe)) is not None:
+                return
+            assert telemetry.proc is not None and telemetry.proc.poll() is None, telemetry.log()
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"the processor never consumed:\n{telemetry.log()}")
+    finally:
+        await redis.aclose()
+
+
 async def publish(stack: StackInfo, records: list[BatchStats]) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all")
     await producer.start()
@@ -86,6 +102,7 @@ async def test_windowed_tables_survive_a_restart(stack: StackInfo, tmp_path: Pat
             return BatchStats(model, "w1", now_ms(), size=size, requests=size, tokens=size * 8, compute_ms=ms,
                               shed=dict(shed))
 
+        await wait_ready(stack, telemetry)  # a new processor starts at the end of the topic
         await publish(stack, [batch(1, 10.0), batch(1, 12.0), batch(8, 40.0), batch(0, 0.0, codel=3, expired=2)])
         first = await wait_summary(stack, model, lambda s: s.inputs_total == 10, telemetry)
         assert first.service_ms_by_size == {1: 11.0, 8: 40.0}

@@ -85,7 +85,10 @@ def test_the_wait_is_brought_up_to_date_with_what_this_producer_sent_since_the_s
     # 30 more sent in the 100 ms since, 10 drained: 30 queued, 300 ms.
     assert expected_wait_ms(standing, Priority.P0, sent_since=30, now_ms=10_100) == pytest.approx(300.0)
     assert expected_wait_ms(standing, Priority.P0, sent_since=0, now_ms=12_000) == 0.0  # drained since
-    # Capacity unknown: a drain rate measured below saturation is the arrival rate; the state stands.
+    # Capacity unknown: while a queue stands the drain rate stands in for it...
+    queue = HealthState("m", Level.DEGRADED, 200.0, 1000, 10, 80.0, 50.0, 10_000)
+    assert expected_wait_ms(queue, Priority.P0, sent_since=5, now_ms=10_000) == pytest.approx(300.0)
+    # ...but without one the drain rate is the arrival rate: a burst to an idle model is not extrapolated.
     idle = HealthState("m", Level.OK, 0.0, 1000, 0, 1.0, 1.0, 10_000)
     assert expected_wait_ms(idle, Priority.P0, sent_since=50, now_ms=10_010) == 0.0
     # A p1 request drains at what p0 arrivals leave over: 100/s - 60/s p0.

@@ -73,6 +73,24 @@ def test_capacity_is_learned_from_busy_intervals_only() -> None:
     assert h.capacity_rps == pytest.approx(50, rel=0.05)
 
 
+def test_a_burst_after_a_quiet_spell_is_not_read_as_seconds_of_wait() -> None:
+    h = HealthEstimator()
+    totals = [0, 0]
+    feed(h, 0, 2, lag=1, arrive=20, drain=20, totals=totals)  # light load
+    feed(h, 2, 30, lag=0, arrive=0, drain=0, totals=totals)  # a long quiet spell
+    assert h.drain_rps == pytest.approx(20, rel=0.1)  # idle intervals say nothing about speed
+    levels = feed(h, 32, 0.3, lag=6, arrive=100, drain=60, totals=totals)
+    assert h.instant_wait_ms() < 500 and max(levels) <= Level.DEGRADED
+
+
+def test_a_queue_that_never_moves_raises_the_level_by_itself() -> None:
+    h = HealthEstimator(HealthPolicy(smoothing_s=0.5))
+    totals = [0, 0]
+    feed(h, 0, 1, lag=0, arrive=0, drain=0, totals=totals)
+    levels = feed(h, 1, 3, lag=5, arrive=0, drain=0, totals=totals)  # no worker: nothing drains
+    assert h.instant_wait_ms() >= 2_500 and levels[-1] == Level.REJECTING
+
+
 def test_state_round_trip_and_bad_input() -> None:
     s = HealthState("m", Level.SHEDDING, 180.5, 2000, 42, 90.0, 60.0, 1_700_000_000_000, (2, 10, 30), 12.5, 75.0)
     assert HealthState.unpack(s.pack()) == s
