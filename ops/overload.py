@@ -28,7 +28,6 @@ import random
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,9 +72,8 @@ def bench_overload(
     try:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, 3)]))
         # The telemetry stream tells the lag monitor the workers' capacity and service time.
-        telemetry = spawn(info, "telemetry", "--app-id", f"kinfer-telemetry-bench-{uuid.uuid4().hex[:6]}",
-                          "--window-s", "5", "--publish-s", "0.5",
-                          log_path=os.path.join(info.home, "bench-overload-telemetry.log"))
+        telemetry = spawn(info, "telemetry", "--app-id", "kinfer-telemetry-bench", "--window-s", "5",
+                          "--publish-s", "0.5", log_path=os.path.join(info.home, "bench-overload-telemetry.log"))
         proc = spawn_worker(info, MODEL, "--family", "noop", "--option", f"per_input_ms={per_input_ms}",
                             log_path=os.path.join(info.home, "bench-overload.log"))
         try:

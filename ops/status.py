@@ -75,7 +75,7 @@ async def snapshot(redis: aioredis.Redis, decisions: int = 10) -> Snapshot:
 
 def render(snap: Snapshot, now_ms: int | None = None) -> str:
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    rows = [("model", "level", "lag p0/p1/p2", "in/s", "out/s", "wait ms", "served/s", "batch", "svc ms",
+    rows = [("model", "level", "lag p0/p1/p2", "in/s", "drain/s", "wait ms", "served/s", "batch", "svc ms",
              "shed (window)", "age s")]
     for m in snap.models():
         h, s = snap.health.get(m), snap.stats.get(m)
