@@ -1,4 +1,8 @@
-"""``make demo``: the whole pipeline on a real broker and Redis, started and stopped here."""
+"""``make demo``: the whole pipeline on a real broker and Redis, started and stopped here.
+
+Besides the worker, the lag monitor and the telemetry stream run as their own processes, as they
+would be deployed; the demo ends with what ``kinfer status`` shows, then the latency summary.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import asyncio
 import os
 import signal
 
+import redis.asyncio as aioredis
+
 from ops.load import LoadReport, make_texts, open_loop
-from ops.procs import spawn_worker, stop_process, wait_until_served
+from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo
+from ops.status import render, snapshot
 from producers import Client
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
@@ -44,26 +51,42 @@ def run_demo(requests: int, rate: float, model: str, partitions: int) -> int:
     stack = LocalStack()
     info, started = stack.up()
     print(f"{'started' if started else 'reusing'} Kafka at {info.bootstrap}, Redis at {info.redis_url}")
-    worker = None
+    procs = []
     try:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, partitions)]))
         log_path = os.path.join(info.home, f"demo-worker-{model}.log")
-        worker = spawn_worker(info, model, log_path=log_path)
+        procs.append(spawn_worker(info, model, log_path=log_path))
         print(f"worker for {model} starting (log: {log_path})")
+        procs.append(spawn(info, "lagmon", "--model", model, log_path=os.path.join(info.home, "demo-lagmon.log")))
+        procs.append(spawn(info, "telemetry", "--app-id", "kinfer-telemetry-demo",
+                           log_path=os.path.join(info.home, "demo-telemetry.log")))
+        print("lag monitor and telemetry stream starting")
         report = asyncio.run(_drive(info, model, requests, rate))
+        print("\nkinfer status:")
+        print(asyncio.run(_status(info)))
         print_report(report)
         # Success is every request answered: on a busy machine a few may be shed, and say so.
         return 0 if len(report.outcomes) == requests else 1
     finally:
-        if worker is not None:
-            stop_process(worker)
+        for proc in procs:
+            stop_process(proc)
         if started:
             stack.down()
             print("stack stopped")
+
+
+async def _status(info: StackInfo) -> str:
+    redis = aioredis.Redis.from_url(info.redis_url)
+    try:
+        return render(await snapshot(redis))
+    finally:
+        await redis.aclose()
 
 
 async def _drive(info: StackInfo, model: str, requests: int, rate: float) -> LoadReport:
     async with Client(info.bootstrap, info.redis_url, tenant="demo") as client:
         await wait_until_served(client, model)
         print(f"sending {requests} requests of 5-120 words at {rate:g}/s")
-        return await open_loop(client, model, make_texts(requests), rate)
+        report = await open_loop(client, model, make_texts(requests), rate)
+        await asyncio.sleep(2.0)  # the telemetry stream publishes its summary every second
+        return report
