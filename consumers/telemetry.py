@@ -22,9 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class StatsReporter:
-    def __init__(self, worker: str, max_buffered: int = 10_000, interval_s: float = 0.25) -> None:
+    def __init__(self, worker: str, max_buffered: int = 10_000, interval_s: float = 0.25,
+                 flush_timeout_s: float = 5.0) -> None:
         self.worker = worker
         self.interval_s = interval_s
+        self.flush_timeout_s = flush_timeout_s  # a missing topic or a slow broker costs records, not the worker
         self.sent = 0
         self.dropped = 0
         self._buffer: deque[BatchStats] = deque(maxlen=max_buffered)
@@ -55,7 +57,10 @@ class StatsReporter:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_s)
-            await self.flush(producer)
+            try:
+                await asyncio.wait_for(self.flush(producer), self.flush_timeout_s)
+            except TimeoutError:
+                log.warning("telemetry: flush to %s timed out (does the topic exist? `kinfer topics`)", STATS_TOPIC)
             if stop.is_set():
                 return
 
@@ -72,3 +77,6 @@ class StatsReporter:
         except KafkaError as exc:
             self.dropped += len(records)
             log.warning("telemetry: %d batch records not sent: %s", len(records), exc)
+        except asyncio.CancelledError:  # timed out (see run): these are gone too
+            self.dropped += len(records)
+            raise

@@ -96,6 +96,7 @@ class WorkerSettings:
     max_poll_interval_ms: int = 300_000  # must exceed the slowest batch
     instance_id: str | None = None  # static group membership: a restart with the same id rejoins at once
     metrics_port: int | None = None  # serve Prometheus metrics here
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container, for a scraper outside it
     drain_timeout_s: float = 30.0  # on SIGTERM, finish buffered work for at most this long
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
@@ -159,7 +160,7 @@ class Worker:
             await loop.run_in_executor(self._executor, runner.load)
             await loop.run_in_executor(self._executor, runner.warmup)
         if s.metrics_port is not None:
-            start_http_server(s.metrics_port, addr="127.0.0.1")
+            start_http_server(s.metrics_port, addr=s.metrics_host)
 
         producer = AIOKafkaProducer(bootstrap_servers=s.bootstrap, acks="all", enable_idempotence=True, linger_ms=1)
         redis = aioredis.Redis.from_url(s.redis_url)

@@ -97,6 +97,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         session_timeout_ms=args.session_timeout_ms,
         instance_id=args.instance_id,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
 
@@ -160,7 +161,7 @@ def cmd_lagmon(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr="127.0.0.1")
+        start_http_server(args.metrics_port, addr=args.metrics_host)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--instance-id", help="static group membership id (a restart rejoins without a rebalance)")
     w.add_argument("--worker-id", help="name in replies and logs (default: host-pid)")
     w.add_argument("--metrics-port", type=int)
+    w.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     w.add_argument("--create-topics", action="store_true", help="create the models' topics first")
     w.add_argument("--partitions", type=int, default=3, help="with --create-topics")
     w.set_defaults(func=cmd_worker)
@@ -300,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", action="append", default=[], help="models to watch (default: all)")
     m.add_argument("--interval-s", type=float, default=0.5)
     m.add_argument("--metrics-port", type=int)
+    m.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     m.set_defaults(func=cmd_lagmon)
 
     tl = sub.add_parser("telemetry", help="the telemetry stream processor (faust): windowed per-model tables")

@@ -1,0 +1,62 @@
+"""The telemetry contract and the worker's reporter, without a broker."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from consumers.telemetry import StatsReporter
+from ops.telemetry import summarize
+from topics import InvalidRequest
+from topics.stats import BatchStats, ModelStats, size_bucket
+
+
+def test_records_round_trip_and_bad_input_is_typed() -> None:
+    b = BatchStats("m", "w1", 1, size=8, requests=3, tokens=90, compute_ms=12.5, predicted_ms=11.0,
+                   shed={"codel": 2})
+    assert BatchStats.unpack(b.pack()) == b
+    s = ModelStats("m", 10.0, 50.0, 6.0, 8.3, 21.0, {8: 20.0, 16: 30.0}, {"expired": 1}, 900, 5, workers=2)
+    assert ModelStats.unpack(s.pack()) == s
+    with pytest.raises(InvalidRequest):
+        BatchStats.unpack(b"\x93\x01\x02\x03")
+
+
+def test_size_buckets_and_capacity() -> None:
+    assert [size_bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 500)] == [1, 2, 4, 8, 16, 32, 64, 64]
+    two_workers = ModelStats("m", 10.0, 0, 0, mean_batch=4.0, service_ms=20.0, service_ms_by_size={}, shed={},
+                             inputs_total=0, updated_ms=0, workers=2)
+    assert two_workers.capacity_rps == pytest.approx(400.0)  # 2 × 4 inputs every 20 ms
+    assert ModelStats("m", 10.0, 0, 0, 0.0, 0.0, {}, {}, 0, 0).capacity_rps == 0.0  # unknown, not zero speed
+
+
+def test_summary_of_two_windows() -> None:
+    windows: dict[str, Any] = {
+        "inputs": 30, "batches": 10, "service_n": {1: 5, 4: 5}, "service_ms": {1: 50.0, 4: 150.0},
+        "shed": {"codel": 2, "expired": 0},
+    }
+    s = summarize("m", window_s=10.0, elapsed_s=5.0, windows=windows, total=99, workers=1)
+    assert s.inputs_rps == pytest.approx(2.0) and s.mean_batch == 3.0
+    assert s.service_ms == pytest.approx(20.0) and s.service_ms_by_size == {1: 10.0, 4: 30.0}
+    assert s.shed == {"codel": 2} and s.inputs_total == 99
+
+
+class StuckProducer:
+    """A producer whose topic never appears: every send waits forever."""
+
+    async def send(self, *args: object, **kwargs: object) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_reporter_rides_sheds_on_batches_and_gives_up_on_a_stuck_broker() -> None:
+    r = StatsReporter("w1", interval_s=0.01, flush_timeout_s=0.05)
+    r.shed("m", "codel", 2)
+    r.batch("m", size=4, requests=2, tokens=40, compute_s=0.02)
+    r.shed("other", "expired")
+    stop = asyncio.Event()
+    task = asyncio.create_task(r.run(StuckProducer(), stop))  # type: ignore[arg-type]
+    await asyncio.sleep(0.2)
+    stop.set()
+    await asyncio.wait_for(task, 1.0)  # the worker's shutdown is not held up by telemetry
+    assert r.sent == 0 and r.dropped == 2  # the batch (carrying m's sheds) and other's shed-only record
