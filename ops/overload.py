@@ -16,7 +16,7 @@ deadline. Once with the lag monitor running and clients obeying it, once with bo
 - ``deadline_misses``: accepted requests not served by their deadline;
 - ``reject_p99_ms``: how long a refused caller waited to be told;
 - ``recovery_s``: from the end of the surge until the lag is down to what the worker clears in
-  100 ms.
+  100 ms; ``lag_zero_s``: until it is first zero (sampled every 100 ms).
 """
 
 from __future__ import annotations
@@ -265,6 +265,7 @@ def _summarize(
     misses = [o for o in accepted if missed(o)]
     settled = max(1, round(capacity * 0.1))  # what the worker clears in 100 ms
     recovered = next((t for t, lag in lags if t >= surge_end and lag <= settled), None)
+    emptied = next((t for t, lag in lags if t >= surge_end and lag == 0), None)
 
     def ms(values: list[float], q: float) -> float | None:
         return round(percentile(values, q), 1) if values else None
@@ -289,6 +290,7 @@ def _summarize(
         "deadline_misses": len(misses),
         "reject_p99_ms": ms([o.call_ms for o in rejected], 99),
         "recovery_s": round(recovered - surge_end, 2) if recovered is not None else None,
+        "lag_zero_s": round(emptied - surge_end, 2) if emptied is not None else None,
         "served_in_time": len(accepted) - len(misses),
         "peak_lag": max((lag for _, lag in lags), default=0),
         # The load generator's own lateness (actual call - scheduled send): latencies above count from
