@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import redis.asyncio as aioredis
 import uvicorn
 import websockets
 
@@ -27,7 +28,9 @@ from producers import Client
 from producers.gateway import GatewaySettings, create_app
 from producers.tenants import Tenants, hash_key
 from tests.integration.conftest import WorkerProcess
+from topics import now_ms
 from topics.admin import ensure_topics, model_topic_specs
+from topics.health import HEALTH_CHANNEL, HealthState, Level
 
 pytestmark = pytest.mark.integration
 
@@ -116,6 +119,38 @@ async def test_errors_map_to_status_codes(gateway: Served) -> None:
         assert r.status_code == 422 and "priority" in r.text
         r = await http.post("/v1/completions", json={"model": gateway.emb, "prompt": "x"}, headers=auth())
         assert r.status_code == 400  # an embedding model cannot complete text
+
+
+async def test_the_health_signal_becomes_429_with_retry_after_and_the_degradation_level(
+    gateway: Served, stack: StackInfo
+) -> None:
+    redis = aioredis.Redis.from_url(stack.redis_url)
+
+    async def announce(level: Level) -> None:  # what `kinfer lagmon` publishes
+        state = HealthState(gateway.noop, level, 0.0, 3_000, 0, 0.0, 0.0, now_ms())
+        await redis.publish(HEALTH_CHANNEL, state.pack())
+
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            body = {"inputs": "batch work", "priority": 2}
+            for _ in range(100):  # until the gateway's client has the notification
+                await announce(Level.SHEDDING)
+                r = await http.post(f"/v1/models/{gateway.noop}/infer", json=body, headers=auth())
+                if r.status_code == 429:
+                    break
+                await asyncio.sleep(0.05)
+            assert r.status_code == 429, r.text
+            assert r.headers["X-Kinfer-Degradation"] == "shedding" and int(r.headers["Retry-After"]) == 3
+            assert r.json()["error"]["type"] == "Overloaded"
+            urgent = await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": "now", "priority": 0},
+                                     headers=auth())
+            assert urgent.status_code == 200  # shedding refuses p2 only
+            metrics = (await http.get("/metrics")).text
+            assert f'kinfer_admission_refused_total{{cause="level",model="{gateway.noop}",priority="p2"}}' in metrics
+            assert 'kinfer_gateway_errors_total{status="429",type="Overloaded"}' in metrics
+    finally:
+        await announce(Level.OK)
+        await redis.aclose()
 
 
 async def test_rate_limit_answers_429_with_retry_after(gateway: Served) -> None:
