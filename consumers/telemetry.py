@@ -33,11 +33,11 @@ class StatsReporter:
         self._shed: dict[str, Counter[str]] = {}  # model -> reason -> count, not yet reported
 
     def batch(self, model: str, size: int, requests: int, tokens: int, compute_s: float, predicted_s: float = 0.0,
-              errors: int = 0) -> None:
+              errors: int = 0, step: bool = False) -> None:
         self._append(BatchStats(
             model=model, worker=self.worker, at_ms=now_ms(), size=size, requests=requests, tokens=tokens,
             compute_ms=round(compute_s * 1000.0, 3), predicted_ms=round(predicted_s * 1000.0, 3), errors=errors,
-            shed=dict(self._shed.pop(model, {})),
+            shed=dict(self._shed.pop(model, {})), step=step,
         ))
 
     def shed(self, model: str, reason: str, count: int = 1) -> None:

@@ -86,7 +86,7 @@ class WorkerSettings:
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     gen_policy: GenPolicy = field(default_factory=GenPolicy)  # for generator models
     weights: dict[str, float] = field(default_factory=dict)  # fair-share weight by model (default 1)
-    fair_quantum_ms: float = 50.0  # compute time a lane may use per round before others get a turn
+    fair_quantum_ms: float = 50.0  # compute a lane may use per turn; co-located, also the longest batch
     limits: Limits = DEFAULT_LIMITS
     device: str = "auto"  # "auto" picks CUDA when available
     max_buffered_inputs: int = 512  # fetched inputs held in memory per model before its partitions pause
@@ -124,6 +124,7 @@ class Worker:
             for spec in settings.models
         }
         self._fair: DeficitRoundRobin[str] = DeficitRoundRobin(settings.fair_quantum_ms / 1000.0)
+        self._max_batch_s = settings.fair_quantum_ms / 1000.0 if len(self.lanes) > 1 else None
         for name in self.lanes:
             self._fair.add(name, settings.weights.get(name, 1.0))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kinfer-model")
@@ -368,11 +369,9 @@ class Worker:
                     return
             else:
                 assert isinstance(lane, BatchLane)
-                # While other models wait, a batch may not outlast the fair-share quantum.
-                others = any(other is not lane and other.has_work() for other in self.lanes.values())
-                batch = lane.batcher.next_batch(
-                    now, idle=True, max_batch_s=self.settings.fair_quantum_ms / 1000.0 if others else None
-                )
+                # Co-located, a batch may not outlast the fair-share quantum: a neighbour's request that
+                # comes while it runs waits for it whole, whatever the fair share says.
+                batch = lane.batcher.next_batch(now, idle=True, max_batch_s=self._max_batch_s)
                 if batch is not None:
                     self._free_at = now + batch.predicted_s
                     self._computing = self._spawn(self._compute(lane, batch))
@@ -403,14 +402,15 @@ class Worker:
             log.exception("%s: generation step failed; failing its sequences", lane.name)
             raise  # the runner's batch is in an unknown state: let the worker die and redeliver
         took = time.monotonic() - started
-        lane.step_s += 0.2 * (took - lane.step_s)  # when the next step's co-located work can start
+        # When the next step's co-located work can start (the first step measured sets it).
+        lane.step_s = took if lane.step_s == 0 else lane.step_s + 0.2 * (took - lane.step_s)
         self._fair.charge(lane.name, took)
         metrics.GEN_STEP.labels(lane.name).observe(took)
         metrics.SPEC_PROPOSED.labels(lane.name).inc(lane.runner.spec_proposed - lane.spec_seen[0])
         metrics.SPEC_ACCEPTED.labels(lane.name).inc(lane.runner.spec_accepted - lane.spec_seen[1])
         lane.spec_seen = (lane.runner.spec_proposed, lane.runner.spec_accepted)
         metrics.GEN_TOKENS.labels(lane.name).inc(len(events))
-        self.stats.batch(lane.name, len(lane.scheduler.running), len(admit), len(events), took)
+        self.stats.batch(lane.name, len(lane.scheduler.running), len(admit), len(events), took, step=True)
         batch = lane.runner.batch
         if batch is not None and batch.cache_tokens:
             metrics.KV_PADDING.labels(lane.name).observe(1.0 - batch.real_tokens / batch.cache_tokens)
@@ -477,6 +477,10 @@ class Worker:
     # -- replies and commits -----------------------------------------------------------------
 
     def _reply(self, lane: Lane, replies: list[tuple[Job, Result]] | list[tuple[Job, Result | Chunk]]) -> None:
+        if isinstance(lane, GenLane):  # a batch lane reports its sheds where it decides them (_shed)
+            for _, reply in replies:
+                if isinstance(reply, Result) and reply.status is Status.EXPIRED:
+                    self.stats.shed(lane.name, Reason.DEADLINE.value)
         self._publishing.add(task := self._spawn(self._publish(lane, replies)))
         task.add_done_callback(self._publishing.discard)
 

@@ -98,6 +98,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         instance_id=args.instance_id,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        fair_quantum_ms=args.fair_quantum_ms,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
 
@@ -277,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--session-timeout-ms", type=int, default=10_000)
     w.add_argument("--instance-id", help="static group membership id (a restart rejoins without a rebalance)")
     w.add_argument("--worker-id", help="name in replies and logs (default: host-pid)")
+    w.add_argument("--fair-quantum-ms", type=float, default=50.0,
+                   help="co-located models: compute per turn, and the longest batch one may run")
     w.add_argument("--metrics-port", type=int)
     w.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     w.add_argument("--create-topics", action="store_true", help="create the models' topics first")
@@ -306,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_lagmon)
 
     tl = sub.add_parser("telemetry", help="the telemetry stream processor (faust): windowed per-model tables")
-    tl.add_argument("--window-s", type=float, default=10.0, help="tumbling window length")
+    tl.add_argument("--window-s", type=int, default=10, help="tumbling window length, whole seconds")
     tl.add_argument("--publish-s", type=float, default=1.0, help="how often summaries go to Redis")
     tl.add_argument("--app-id", default="kinfer-telemetry", help="consumer group and changelog topic prefix")
     tl.set_defaults(func=cmd_telemetry)

@@ -64,13 +64,21 @@ class HealthEstimator:
     def observe(
         self, now: float, lag: int, log_end_total: int, committed_total: int,
         log_end_by_priority: tuple[int, int, int] | None = None, capacity_rps: float | None = None,
+        progressing: bool = False,
     ) -> Level:
-        """One poll. ``capacity_rps``: the workers' capacity measured elsewhere (the telemetry
-        stream: compute time, not offsets — a record the workers refuse is committed at once and
-        would make the lag-based estimate look faster than any forward pass)."""
+        """One poll.
+
+        ``capacity_rps``: the workers' capacity measured elsewhere (the telemetry stream: compute
+        time, not offsets — a record the workers refuse is committed at once and would make the
+        offset-based estimate look faster than any forward pass); taken as given while it comes,
+        and the offset-based estimate resumes from it when it stops. ``progressing``: the workers
+        are seen running batches or steps (telemetry), so a queue whose offsets do not move is not
+        stalled — a long generation commits only when it ends.
+        """
         self.lag = max(0, lag)
+        self._capacity_known = capacity_rps is not None and capacity_rps > 0
         if capacity_rps is not None and capacity_rps > 0:
-            self.capacity_rps, self._capacity_known = capacity_rps, True
+            self.capacity_rps = capacity_rps
         if self._last is not None and now > self._last[0]:
             dt = now - self._last[0]
             alpha = 1.0 - math.exp(-dt / self.policy.smoothing_s)
@@ -89,7 +97,7 @@ class HealthEstimator:
                 self._drain_primed = True
             if self._last[3] > drained > 0 and not self._capacity_known:  # busy all interval long
                 self._observe_capacity(drained / dt, dt)
-            if drained > 0 or self.lag == 0:
+            if drained > 0 or self.lag == 0 or progressing:
                 self._stalled_since = None
             elif self._stalled_since is None:  # waiting since the last poll, or since now if they just came
                 self._stalled_since = self._last[0] if self._last[3] > 0 else now
@@ -109,15 +117,17 @@ class HealthEstimator:
     def instant_wait_ms(self) -> float:
         """The wait the current lag means, unsmoothed: Little's law, lag over throughput.
 
-        The throughput is the capacity once known, else the drain rate measured while there was
-        something to drain (idle spells leave it alone: decayed towards zero it would turn the
-        next burst into seconds of imagined wait). A queue that has not moved at all has waited
-        at least that long, whatever the rates say (a stuck or missing worker).
+        The throughput is the capacity once known (the telemetry's as given, an offset-based one no
+        lower than the drain rate), else the drain rate measured while there was something to
+        drain (idle spells leave it alone: decayed towards zero it would turn the next burst into
+        seconds of imagined wait). A queue that has not moved at all has waited at least that
+        long, whatever the rates say (a stuck or missing worker).
         """
         if self.lag == 0:
             return 0.0
         stalled_ms = 0.0 if self._stalled_since is None else 1000.0 * (self._now - self._stalled_since)
-        rate = max(self.capacity_rps, self.drain_rps)  # the workers cannot drain faster than they can
+        # A measured capacity stands; an estimated one is a floor under the drain rate.
+        rate = self.capacity_rps if self._capacity_known else max(self.capacity_rps, self.drain_rps)
         if rate <= 1e-6:
             return stalled_ms
         return max(1000.0 * self.lag / rate, stalled_ms)

@@ -46,6 +46,9 @@ LEVEL = Gauge("kinfer_health_level", "0 ok, 1 degraded, 2 shedding, 3 rejecting"
 LEVEL_CHANGES = Counter("kinfer_health_level_changes_total", "Level changes", ["model", "to"])
 
 
+STATS_FRESH_MS = 5_000  # a telemetry summary older than this is no evidence (the processor may be down)
+
+
 def health_topic_spec() -> TopicSpec:
     return TopicSpec(HEALTH_TOPIC, 1, 1, {"cleanup.policy": "compact"})
 
@@ -110,8 +113,12 @@ class LagMonitor:
             lag = sum(offsets.lag)
             stats = await self._telemetry(redis, model)
             estimator = self._estimators.setdefault(model, HealthEstimator(self.policy))
-            level = estimator.observe(time.monotonic(), lag, sum(offsets.log_end), offsets.committed_total,
-                                      offsets.log_end, capacity_rps=stats.capacity_rps if stats else None)
+            fresh = stats is not None and now_ms() - stats.updated_ms < STATS_FRESH_MS
+            level = estimator.observe(
+                time.monotonic(), lag, sum(offsets.log_end), offsets.committed_total, offsets.log_end,
+                capacity_rps=stats.capacity_rps if stats is not None and fresh else None,
+                progressing=stats is not None and fresh and stats.batches_rps > 0,
+            )
             state = HealthState(
                 model=model, level=level, predicted_wait_ms=round(estimator.instant_wait_ms(), 1),
                 retry_after_ms=estimator.retry_after_ms(), lag=lag, arrival_rps=round(estimator.arrival_rps, 2),
@@ -125,7 +132,7 @@ class LagMonitor:
                 LEVEL_CHANGES.labels(model, level.name.lower()).inc()
                 log.info("%s: %s (lag %d, predicted wait %.0f ms)", model, level.name, lag, estimator.wait_ms)
                 self._changes.append(LevelChange(state.updated_ms, model, previous.level if previous else None,
-                                                 level, lag, state.predicted_wait_ms))
+                                                 level, lag, round(estimator.wait_ms, 1)))
             self.states[model] = state
             LAG.labels(model).set(lag)
             LEVEL.labels(model).set(int(level))

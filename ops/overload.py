@@ -72,16 +72,18 @@ def bench_overload(
     try:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, 3)]))
         # The telemetry stream tells the lag monitor the workers' capacity and service time.
-        telemetry = spawn(info, "telemetry", "--app-id", "kinfer-telemetry-bench", "--window-s", "5",
-                          "--publish-s", "0.5", log_path=os.path.join(info.home, "bench-overload-telemetry.log"))
-        proc = spawn_worker(info, MODEL, "--family", "noop", "--option", f"per_input_ms={per_input_ms}",
-                            log_path=os.path.join(info.home, "bench-overload.log"))
+        procs = [
+            spawn(info, "telemetry", "--app-id", "kinfer-telemetry-bench", "--window-s", "5", "--publish-s", "0.5",
+                  log_path=os.path.join(info.home, "bench-overload-telemetry.log")),
+        ]
         try:
+            procs.append(spawn_worker(info, MODEL, "--family", "noop", "--option", f"per_input_ms={per_input_ms}",
+                                      log_path=os.path.join(info.home, "bench-overload.log")))
             return asyncio.run(_bench(info, surge_s, normal_s, factor, per_input_ms, deadline_ms, interval_s, seed,
                                       neighbour_s))
         finally:
-            stop_process(proc)
-            stop_process(telemetry)
+            for proc in procs:
+                stop_process(proc)
     finally:
         if stack is not None and started:
             stack.down()
@@ -211,44 +213,46 @@ async def _run(
     lags: list[tuple[float, int]] = []
     sampler = asyncio.create_task(_sample_lag(info, lags, stop))
     outcomes: list[Outcome] = []
-    async with Client(info.bootstrap, info.redis_url, tenant="bench", admission=backpressure) as client:
-        if backpressure:  # the client obeys a signal from its first request
-            await _until(lambda: client.health(MODEL) is not None, timeout_s=30.0)
+    try:
+        async with Client(info.bootstrap, info.redis_url, tenant="bench", admission=backpressure) as client:
+            if backpressure:  # the client obeys a signal from its first request
+                await _until(lambda: client.health(MODEL) is not None, timeout_s=30.0)
 
-        async def one(phase: str, priority: Priority, scheduled: float) -> None:
-            called = time.monotonic()
-            try:
-                await client.infer(MODEL, [f"{phase} request"], priority=priority, deadline_ms=deadline_ms)
-                kind = "ok"
-            except Overloaded:
-                kind = "rejected"
-            except Shed:
-                kind = "shed"
-            except DeadlineExceeded as exc:
-                kind = "expired" if exc.answered else "unanswered"
-            except KinferError as exc:
-                kind = type(exc).__name__
-            end = time.monotonic()
-            outcomes.append(Outcome(phase, priority, kind, (end - scheduled) * 1000.0, (end - called) * 1000.0))
+            async def one(phase: str, priority: Priority, scheduled: float) -> None:
+                called = time.monotonic()
+                try:
+                    await client.infer(MODEL, [f"{phase} request"], priority=priority, deadline_ms=deadline_ms)
+                    kind = "ok"
+                except Overloaded:
+                    kind = "rejected"
+                except Shed:
+                    kind = "shed"
+                except DeadlineExceeded as exc:
+                    kind = "expired" if exc.answered else "unanswered"
+                except KinferError as exc:
+                    kind = type(exc).__name__
+                end = time.monotonic()
+                outcomes.append(Outcome(phase, priority, kind, (end - scheduled) * 1000.0, (end - called) * 1000.0))
 
-        rng = random.Random(seed)
-        t0 = time.monotonic() + 0.2
-        plan = _schedule(rng, factor * capacity, surge_s, t0, "surge")
-        plan += _schedule(rng, capacity / 2, normal_s, t0 + surge_s, "normal")
-        running = []
-        for at, phase, priority in plan:
-            delay = at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            running.append(asyncio.create_task(one(phase, priority, at)))
-        await asyncio.gather(*running)
-        await _wait_drained(info)
-        await asyncio.sleep(1.0)  # replies that come after their caller gave up are counted as late
-        late = client.late_replies
-    stop.set()
-    await sampler
-    if monitor is not None:
-        stop_process(monitor)
+            rng = random.Random(seed)
+            t0 = time.monotonic() + 0.2
+            plan = _schedule(rng, factor * capacity, surge_s, t0, "surge")
+            plan += _schedule(rng, capacity / 2, normal_s, t0 + surge_s, "normal")
+            running = []
+            for at, phase, priority in plan:
+                delay = at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                running.append(asyncio.create_task(one(phase, priority, at)))
+            await asyncio.gather(*running)
+            await _wait_drained(info)
+            await asyncio.sleep(1.0)  # replies that come after their caller gave up are counted as late
+            late = client.late_replies
+    finally:
+        stop.set()
+        await sampler
+        if monitor is not None:
+            stop_process(monitor)
     return _summarize(outcomes, lags, t0 + surge_s, late, deadline_ms, capacity)
 
 

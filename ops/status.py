@@ -66,7 +66,7 @@ async def snapshot(redis: aioredis.Redis, decisions: int = 10) -> Snapshot:
     health = {h.model: h for h in await _load(redis, HEALTH_KEY_PREFIX, HealthState.unpack)}
     stats = {s.model: s for s in await _load(redis, STATS_KEY_PREFIX, ModelStats.unpack)}
     changes = []
-    for data in await redis.lrange(DECISIONS_KEY, 0, decisions - 1):
+    for data in await redis.lrange(DECISIONS_KEY, 0, decisions - 1) if decisions > 0 else []:
         if isinstance(data, bytes):
             with contextlib.suppress(InvalidRequest):
                 changes.append(LevelChange.unpack(data))

@@ -39,7 +39,9 @@ def summarize(
     """One model's summary from its last two windows (pure).
 
     ``windows`` maps each measure to the sum of the current and the previous window: "inputs",
-    "batches", "service_n" and "service_ms" (dicts by size bucket), "shed" (dict by reason).
+    "requests", "batches", "steps", "service_n" and "service_ms" (dicts by size bucket), "shed"
+    (dict by reason). One-shot batches that did not fail count as served; generation steps only
+    as steps (progress), their cost per request being the tokens it asks for.
     ``elapsed_s`` is how far the current window has run, so the span covered is ``window_s +
     elapsed_s``.
     """
@@ -55,11 +57,15 @@ def summarize(
                             for b, n in windows["service_n"].items() if n},
         shed={r: n for r, n in windows["shed"].items() if n}, inputs_total=total,
         updated_ms=int(time.time() * 1000), workers=workers,
+        requests_per_batch=round(windows["requests"] / batches, 3) if batches else 0.0,
+        steps_rps=round(windows["steps"] / span, 3),
     )
 
 
 def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: float = 1.0,
               app_id: str = "kinfer-telemetry", data_dir: str | None = None) -> faust.App:
+    if window_s < 1 or window_s != int(window_s):  # faust's windows step in whole seconds
+        raise ValueError(f"window_s must be a whole number of seconds >= 1, got {window_s}")
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", store="memory://", topic_partitions=1, topic_replication_factor=1,
         web_enabled=False, datadir=data_dir or f"/tmp/{app_id}-data", producer_acks=-1,
@@ -74,7 +80,9 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
         return app.Table(name, default=default).tumbling(window_s, expires=keep)
 
     inputs = windowed("inputs", int)  # model -> inputs served
-    batches = windowed("batches", int)  # model -> batches
+    requests = windowed("requests", int)  # model -> requests (records) answered
+    batches = windowed("batches", int)  # model -> one-shot batches
+    steps = windowed("steps", int)  # model -> generation steps
     service_n = windowed("service-n", int)  # "model|bucket" -> batches of that size
     service_ms = windowed("service-ms", float)  # "model|bucket" -> compute ms of those batches
     shed = windowed("shed", int)  # "model|reason" -> requests refused
@@ -92,8 +100,12 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
                 continue
             if s.size:
                 seen[f"{s.model}|{s.worker}"] = s.at_ms
+            if s.size and s.step:
+                steps[s.model] += 1
+            elif s.size and not s.errors:  # a failed batch served nothing, and its time says nothing
                 key = f"{s.model}|{size_bucket(s.size)}"
                 inputs[s.model] += s.size
+                requests[s.model] += s.requests
                 batches[s.model] += 1
                 service_n[key] += 1
                 service_ms[key] += s.compute_ms
@@ -111,7 +123,8 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
         elapsed = now - table_start(inputs, now)
         for model in list(totals.keys()):
             windows = {
-                "inputs": both(inputs, model, now), "batches": both(batches, model, now),
+                "inputs": both(inputs, model, now), "requests": both(requests, model, now),
+                "batches": both(batches, model, now), "steps": both(steps, model, now),
                 "service_n": {b: both(service_n, f"{model}|{b}", now) for b in BUCKETS},
                 "service_ms": {b: both(service_ms, f"{model}|{b}", now) for b in BUCKETS},
                 "shed": {r: both(shed, f"{model}|{r}", now) for r in SHED_REASONS},

@@ -33,24 +33,33 @@ class Decision:
 ADMIT = Decision(True)
 
 
-def expected_wait_ms(health: HealthState, priority: Priority, sent_since: int, now_ms: int) -> float:
+# Beyond this, a state is too old to bring up to date by arithmetic: it stands as it is.
+MAX_EXTRAPOLATION_S = 2.0
+
+
+def expected_wait_ms(
+    health: HealthState, priority: Priority, sent_since: int, now_ms: int, own_rps: float = 0.0
+) -> float:
     """The queueing a request of ``priority`` sent now should expect, between two health states.
 
-    The state is a poll old. This producer's own sends since the state was measured are added to
-    its lag and what the workers can have drained meanwhile taken away, so a surge shows at once
-    instead of a poll later. The queue drains for this request at the capacity left over by higher
-    priorities, which keep arriving and go first (the whole lag counts, not only its own priority's
-    and above: workers age waiting work up, so an old p2 backlog does delay a p0 request).
+    The state is a poll old. Since it was measured, this producer has enqueued ``sent_since``
+    requests, the others (``arrival_rps`` less this producer's own ``own_rps``) about their rate
+    each second, and the workers have drained at their rate: a surge shows at once instead of a
+    poll later. The queue drains for this request at the rate left over by higher priorities,
+    which keep arriving and go first (the whole lag counts, not only its own priority's and
+    above: workers age waiting work up, so an old p2 backlog does delay a p0 request).
     The rate is the workers' capacity; without one, the drain rate, but only while a queue stands
     (below saturation the drain rate is the arrival rate: an idle model would refuse a burst).
+    The result is never below the state's own wait less the time since (a stalled queue stays so).
     """
     rate = health.capacity_rps or (health.drain_rps if health.lag > 0 else 0.0)
     if rate <= 0:
         return health.predicted_wait_ms
-    elapsed_s = max(0, now_ms - health.updated_ms) / 1000.0
-    queued = max(0.0, health.lag + sent_since - rate * elapsed_s)
+    elapsed_s = min(MAX_EXTRAPOLATION_S, max(0, now_ms - health.updated_ms) / 1000.0)
+    others = max(0.0, health.arrival_rps - own_rps) * elapsed_s
+    queued = max(0.0, health.lag + sent_since + others - rate * elapsed_s)
     left = max(rate - sum(health.arrival_by_priority[: int(priority)]), rate * 0.05)
-    return 1000.0 * queued / left
+    return max(1000.0 * queued / left, health.predicted_wait_ms - 1000.0 * elapsed_s)
 
 
 class SendLog:
@@ -68,6 +77,10 @@ class SendLog:
     def since(self, at_ms: int) -> int:
         """Requests sent after ``at_ms``."""
         return len(self._at) - bisect.bisect_right(self._at, at_ms)
+
+    def rate(self, now_ms: int, window_ms: int = 2_000) -> float:
+        """Requests per second sent over the last ``window_ms``."""
+        return self.since(now_ms - window_ms) * 1000.0 / window_ms
 
 
 def health_decision(

@@ -303,7 +303,7 @@ class Client:
         now = now_ms()
         wait = None
         if health is not None:
-            wait = expected_wait_ms(health, request.priority, sent.since(health.updated_ms), now)
+            wait = expected_wait_ms(health, request.priority, sent.since(health.updated_ms), now, sent.rate(now))
         decision = health_decision(health, request.priority, request.deadline_ms - now,
                                    service_ms=self._service_ms.get(request.model), wait_ms=wait)
         if decision.admit and request.priority > Priority.P0:  # interactive work is never throttled locally
@@ -363,7 +363,10 @@ class Client:
         except (KafkaError, TimeoutError) as exc:
             raise Unavailable(f"Kafka metadata unavailable: {exc}") from exc
         if topic not in cluster.topics():
-            self._missing_topics[topic] = time.monotonic() + MISSING_TOPIC_TTL_S
+            now = time.monotonic()
+            if len(self._missing_topics) >= 1024:  # names from a fuzzer or a typo loop: keep the live ones
+                self._missing_topics = {t: until for t, until in self._missing_topics.items() if until > now}
+            self._missing_topics[topic] = now + MISSING_TOPIC_TTL_S
             raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
         self._known_topics.add(topic)
         self._missing_topics.pop(topic, None)

@@ -89,7 +89,7 @@ class LevelChange:
     before: Level | None  # None: the first state the monitor published
     after: Level
     lag: int
-    predicted_wait_ms: float
+    predicted_wait_ms: float  # the smoothed wait the level was decided on
 
     def pack(self) -> bytes:
         data: bytes = msgpack.packb([self.at_ms, self.model, None if self.before is None else int(self.before),

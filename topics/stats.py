@@ -54,12 +54,13 @@ class BatchStats:
     predicted_ms: float = 0.0  # the service-time model's forecast (0 where there is none)
     errors: int = 0  # requests the batch failed
     shed: dict[str, int] = field(default_factory=dict)  # reason -> requests refused since the last record
+    step: bool = False  # a generation step (size: sequences in it), not a one-shot batch
 
     def pack(self) -> bytes:
         data: bytes = msgpack.packb({
             "model": self.model, "worker": self.worker, "at_ms": self.at_ms, "size": self.size,
             "requests": self.requests, "tokens": self.tokens, "compute_ms": self.compute_ms,
-            "predicted_ms": self.predicted_ms, "errors": self.errors, "shed": self.shed,
+            "predicted_ms": self.predicted_ms, "errors": self.errors, "shed": self.shed, "step": self.step,
         })
         return data
 
@@ -71,7 +72,7 @@ class BatchStats:
                 model=str(obj["model"]), worker=str(obj["worker"]), at_ms=int(obj["at_ms"]), size=int(obj["size"]),
                 requests=int(obj["requests"]), tokens=int(obj["tokens"]), compute_ms=float(obj["compute_ms"]),
                 predicted_ms=float(obj["predicted_ms"]), errors=int(obj["errors"]),
-                shed={str(k): int(v) for k, v in obj["shed"].items()},
+                shed={str(k): int(v) for k, v in obj["shed"].items()}, step=bool(obj.get("step", False)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidRequest(f"malformed stats: {exc}", "stats") from exc
@@ -92,14 +93,18 @@ class ModelStats:
     inputs_total: int  # since the telemetry stream began (survives its restarts)
     updated_ms: int
     workers: int = 0  # distinct workers that ran batches of it within the window
+    requests_per_batch: float = 0.0  # requests (Kafka records) a batch answers, on average
+    steps_rps: float = 0.0  # generation steps per second
 
     @property
     def capacity_rps(self) -> float:
-        """Inputs/s its workers could serve if always busy, at the batch sizes they run: each
-        worker clears ``mean_batch`` inputs per ``service_ms``. 0 when unknown."""
+        """Requests (records) per second its workers could answer if always busy, at the batch
+        sizes they run: each clears ``requests_per_batch`` per ``service_ms``. 0 when unknown —
+        and for generation, whose cost per request depends on how many tokens it asks for.
+        A worker shared with other models is counted whole for each of them."""
         if self.service_ms <= 0 or self.workers <= 0:
             return 0.0
-        return self.workers * self.mean_batch * 1000.0 / self.service_ms
+        return self.workers * self.requests_per_batch * 1000.0 / self.service_ms
 
     def pack(self) -> bytes:
         data: bytes = msgpack.packb({
@@ -107,6 +112,7 @@ class ModelStats:
             "batches_rps": self.batches_rps, "mean_batch": self.mean_batch, "service_ms": self.service_ms,
             "service_ms_by_size": {str(b): ms for b, ms in self.service_ms_by_size.items()},
             "shed": self.shed, "inputs_total": self.inputs_total, "workers": self.workers,
+            "requests_per_batch": self.requests_per_batch, "steps_rps": self.steps_rps,
             "updated_ms": self.updated_ms,
         })
         return data
@@ -122,6 +128,8 @@ class ModelStats:
                 service_ms_by_size={int(k): float(v) for k, v in obj["service_ms_by_size"].items()},
                 shed={str(k): int(v) for k, v in obj["shed"].items()}, inputs_total=int(obj["inputs_total"]),
                 updated_ms=int(obj["updated_ms"]), workers=int(obj.get("workers", 0)),
+                requests_per_batch=float(obj.get("requests_per_batch", 0.0)),
+                steps_rps=float(obj.get("steps_rps", 0.0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidRequest(f"malformed model stats: {exc}", "stats") from exc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producers.admission import AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
+from producers.admission import MAX_EXTRAPOLATION_S, AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
 from topics import Priority
 from topics.health import HealthState, Level
 
@@ -79,12 +79,13 @@ def test_refusals_name_their_cause() -> None:
 
 
 def test_the_wait_is_brought_up_to_date_with_what_this_producer_sent_since_the_state() -> None:
-    # 10 queued, the workers clear 100/s (drain is lower: they were not busy the whole window).
+    # 10 queued, the workers clear 100/s (drain is lower: they were not busy the whole window);
+    # this producer is the only one (its own rate is all the arrivals).
     standing = HealthState("m", Level.DEGRADED, 100.0, 1000, 10, 150.0, 60.0, 10_000, capacity_rps=100.0)
-    assert expected_wait_ms(standing, Priority.P0, sent_since=0, now_ms=10_000) == pytest.approx(100.0)
+    assert expected_wait_ms(standing, Priority.P0, 0, 10_000, own_rps=150.0) == pytest.approx(100.0)
     # 30 more sent in the 100 ms since, 10 drained: 30 queued, 300 ms.
-    assert expected_wait_ms(standing, Priority.P0, sent_since=30, now_ms=10_100) == pytest.approx(300.0)
-    assert expected_wait_ms(standing, Priority.P0, sent_since=0, now_ms=12_000) == 0.0  # drained since
+    assert expected_wait_ms(standing, Priority.P0, 30, 10_100, own_rps=150.0) == pytest.approx(300.0)
+    assert expected_wait_ms(standing, Priority.P0, 0, 12_000, own_rps=150.0) == 0.0  # drained since
     # Capacity unknown: while a queue stands the drain rate stands in for it...
     queue = HealthState("m", Level.DEGRADED, 200.0, 1000, 10, 80.0, 50.0, 10_000)
     assert expected_wait_ms(queue, Priority.P0, sent_since=5, now_ms=10_000) == pytest.approx(300.0)
@@ -101,9 +102,23 @@ def test_the_wait_is_brought_up_to_date_with_what_this_producer_sent_since_the_s
     assert not refused.admit and refused.cause == "deadline"
 
 
+def test_other_producers_arrivals_count_and_an_old_state_is_not_extrapolated_forever() -> None:
+    # 4 producers, 300/s in all against 100/s: this one sends 75/s, the others 225/s.
+    surge = HealthState("m", Level.SHEDDING, 500.0, 1000, 50, 300.0, 100.0, 10_000, capacity_rps=100.0)
+    half_second_later = expected_wait_ms(surge, Priority.P0, sent_since=37, now_ms=10_500, own_rps=75.0)
+    assert half_second_later == pytest.approx(1000.0 * (50 + 37 + 112.5 - 50) / 100.0)
+    # A stalled queue (the state's wait is the time nothing moved) does not look better by arithmetic.
+    stalled = HealthState("m", Level.REJECTING, 3000.0, 1000, 5, 0.0, 0.0, 10_000, capacity_rps=100.0)
+    assert expected_wait_ms(stalled, Priority.P0, 0, 10_500) == pytest.approx(2500.0)
+    # A state from a monitor that fell behind is brought forward by at most MAX_EXTRAPOLATION_S.
+    old = expected_wait_ms(surge, Priority.P0, sent_since=0, now_ms=60_000, own_rps=0.0)
+    assert old == pytest.approx(1000.0 * (50 + 300 * MAX_EXTRAPOLATION_S - 100 * MAX_EXTRAPOLATION_S) / 100.0)
+
+
 def test_send_log_counts_sends_after_a_moment_and_forgets_old_ones() -> None:
     log = SendLog(keep_ms=1_000)
     for t in range(0, 5_000, 10):
         log.record(t)
     assert log.since(4_899) == 10
     assert log.since(-1) <= 300  # trimmed: at most about 2 × keep_ms of history
+    assert log.rate(4_990, window_ms=1_000) == pytest.approx(100.0)

@@ -91,6 +91,29 @@ def test_a_queue_that_never_moves_raises_the_level_by_itself() -> None:
     assert h.instant_wait_ms() >= 2_500 and levels[-1] == Level.REJECTING
 
 
+def test_a_long_generation_is_not_a_stall_while_the_workers_make_progress() -> None:
+    h = HealthEstimator(HealthPolicy(smoothing_s=0.5))
+    totals = [0, 0]
+    feed(h, 0, 1, lag=0, arrive=0, drain=0, totals=totals)
+    t = 1.0
+    for _ in range(60):  # one 6 s generation: its offset commits only at the end
+        t += 0.1
+        h.observe(t, 1, totals[0], totals[1], progressing=True)
+    assert h.level == Level.OK and h.instant_wait_ms() == 0.0
+
+
+def test_a_measured_capacity_stands_until_it_stops_coming() -> None:
+    h = HealthEstimator()
+    totals = [0, 0]
+    for i in range(30):  # refused records commit at once: the drain rate (200/s) is no speed
+        totals[0] += 20
+        totals[1] += 20
+        h.observe(i * 0.1, 40, totals[0], totals[1], capacity_rps=50.0)
+    assert h.instant_wait_ms() == pytest.approx(800.0)  # 40 records at the measured 50/s
+    h.observe(3.1, 40, totals[0] + 20, totals[1] + 20)  # telemetry gone: offsets take over from 50/s
+    assert h.instant_wait_ms() < 800.0
+
+
 def test_state_round_trip_and_bad_input() -> None:
     s = HealthState("m", Level.SHEDDING, 180.5, 2000, 42, 90.0, 60.0, 1_700_000_000_000, (2, 10, 30), 12.5, 75.0)
     assert HealthState.unpack(s.pack()) == s
