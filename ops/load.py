@@ -77,6 +77,18 @@ class LoadReport:
         return Counter(o.status for o in self.outcomes)
 
 
+async def fire(schedule: Sequence[tuple[float, T]], one: Callable[[T, float], Awaitable[None]]) -> None:
+    """Start ``one(item, at)`` at each ``(at, item)`` of ``schedule`` (``time.monotonic()``, in
+    order), without waiting for earlier ones; return when all have finished."""
+    tasks: list[asyncio.Task[None]] = []
+    for at, item in schedule:
+        delay = at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(item, at)))  # type: ignore[arg-type]
+    await asyncio.gather(*tasks)
+
+
 async def paced(
     items: Sequence[T], rate: float, one: Callable[[T, float], Awaitable[None]], *, poisson: bool = False,
     seed: int = 11,
@@ -86,14 +98,11 @@ async def paced(
     ``scheduled_at`` is on ``time.monotonic()``: measure latency from it."""
     rng = random.Random(seed)
     start = at = time.monotonic()
-    tasks: list[asyncio.Task[None]] = []
+    schedule = []
     for item in items:
-        delay = at - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(item, at)))  # type: ignore[arg-type]
+        schedule.append((at, item))
         at += rng.expovariate(rate) if poisson else 1.0 / rate
-    await asyncio.gather(*tasks)
+    await fire(schedule, one)
     return time.monotonic() - start
 
 

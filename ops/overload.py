@@ -36,7 +36,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from ops.lagmon import read_offsets
-from ops.load import percentile
+from ops.load import fire, percentile
 from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo
 from producers import Client
@@ -153,13 +153,7 @@ async def _neighbour(info: StackInfo, seconds: float, spike: float, per_input_ms
                 t0 = time.monotonic() + 0.1
                 plan = sorted([(at, busy) for at, _, _ in _schedule(rng, busy_rate, seconds, t0, phase)]
                               + [(at, quiet) for at, _, _ in _schedule(rng, normal, seconds, t0, phase)])
-                running = []
-                for at, model in plan:
-                    delay = at - time.monotonic()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    running.append(asyncio.create_task(one(model, at)))
-                await asyncio.gather(*running)
+                await fire(plan, one)
                 phases[phase] = {
                     "busy_offered_rps": round(busy_rate, 1), "quiet_offered_rps": round(normal, 1),
                     "quiet_p95_ms": round(percentile(latencies[quiet], 95), 1),
@@ -218,7 +212,8 @@ async def _run(
             if backpressure:  # the client obeys a signal from its first request
                 await _until(lambda: client.health(MODEL) is not None, timeout_s=30.0)
 
-            async def one(phase: str, priority: Priority, scheduled: float) -> None:
+            async def one(item: tuple[str, Priority], scheduled: float) -> None:
+                phase, priority = item
                 called = time.monotonic()
                 try:
                     await client.infer(MODEL, [f"{phase} request"], priority=priority, deadline_ms=deadline_ms)
@@ -238,13 +233,7 @@ async def _run(
             t0 = time.monotonic() + 0.2
             plan = _schedule(rng, factor * capacity, surge_s, t0, "surge")
             plan += _schedule(rng, capacity / 2, normal_s, t0 + surge_s, "normal")
-            running = []
-            for at, phase, priority in plan:
-                delay = at - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                running.append(asyncio.create_task(one(phase, priority, at)))
-            await asyncio.gather(*running)
+            await fire([(at, (phase, priority)) for at, phase, priority in plan], one)
             await _wait_drained(info)
             await asyncio.sleep(1.0)  # replies that come after their caller gave up are counted as late
             late = client.late_replies

@@ -35,7 +35,8 @@ class Snapshot:
         return {
             "models": {
                 m: {"health": self.health[m].to_wire() if m in self.health else None,
-                    "stats": _stats_json(self.stats[m]) if m in self.stats else None}
+                    "stats": {**self.stats[m].to_wire(), "capacity_rps": round(self.stats[m].capacity_rps, 2)}
+                    if m in self.stats else None}
                 for m in self.models()
             },
             "decisions": [
@@ -44,12 +45,6 @@ class Snapshot:
                 for c in self.changes
             ],
         }
-
-
-def _stats_json(s: ModelStats) -> dict[str, Any]:
-    return {"inputs_rps": s.inputs_rps, "batches_rps": s.batches_rps, "mean_batch": s.mean_batch,
-            "service_ms": s.service_ms, "service_ms_by_size": s.service_ms_by_size, "shed": s.shed,
-            "inputs_total": s.inputs_total, "window_s": s.window_s, "updated_ms": s.updated_ms}
 
 
 async def _load(redis: aioredis.Redis, prefix: str, parse: Callable[[bytes], T]) -> list[T]:
