@@ -29,6 +29,10 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _floats(value: str) -> list[float]:
+    return [float(x) for x in value.split(",")]
+
+
 def cmd_stack(args: argparse.Namespace) -> int:
     stack = LocalStack(Path(args.home) if args.home else None, args.kafka_port, args.redis_port)
     if args.action == "fetch":
@@ -218,6 +222,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = bench_gateway(rate=args.rate, seconds=args.seconds, concurrency=args.concurrency)
     elif args.bench == "generation":
         report = bench_generation(requests=args.requests, rate=args.rate, max_running=args.max_running)
+    elif args.bench == "transport":
+        from ops.transport import bench_transport
+
+        report = bench_transport(seconds=args.seconds, library_rates=tuple(args.library_rates),
+                                 http_rates=tuple(args.http_rates), paths=tuple(args.path or ("library", "http")),
+                                 partitions=args.partitions)
     elif args.bench == "overload":
         from ops.overload import bench_overload
 
@@ -355,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--rate", type=float, default=40.0, help="arrivals per second (Poisson; above capacity)")
     bg.add_argument("--max-running", type=int, default=16)
     bg.set_defaults(func=cmd_bench)
+    bt = bs.add_parser("transport", help="the pipeline's own cost: max rate at the SLA and CPU per request per process")
+    bt.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
+    bt.add_argument("--seconds", type=float, default=10.0, help="per rate step")
+    bt.add_argument("--path", action="append", choices=["library", "http"], help="default: both")
+    bt.add_argument("--library-rates", type=_floats, default=[500, 1000, 2000, 3000, 4000, 5000, 6000, 8000])
+    bt.add_argument("--http-rates", type=_floats, default=[250, 500, 1000, 1500, 2000, 3000])
+    bt.add_argument("--partitions", type=int, default=3, help="per request topic")
+    bt.set_defaults(func=cmd_bench)
     bo = bs.add_parser("overload", help="a 3x capacity surge with and without the health signal, side by side")
     bo.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
     bo.add_argument("--surge-s", type=float, default=30.0)

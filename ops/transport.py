@@ -1,0 +1,175 @@
+"""``kinfer bench transport``: what the pipeline itself costs, per request and per process.
+
+A no-op model (no compute), so everything measured is kinfer's own work: the client (the load
+generator's process), the worker, the Kafka broker, Redis and, on the HTTP path, the gateway. Each
+runs in its own process, and each one's CPU time is read from ``/proc/<pid>/stat`` before and after
+every step. The rate is swept upward (open loop, Poisson) until a step misses the SLA:
+P95 < 150 ms, P99 < 250 ms and at least 99.9 % answered ok.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from ops.bench import SLA_P95_MS, SLA_P99_MS
+from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
+from ops.stack import LocalStack, StackInfo, free_port
+from producers import Client
+from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+
+SLA_MIN_OK = 0.999
+MODEL = "bench-transport"
+LIBRARY_RATES = (500.0, 1000.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 8000.0)
+HTTP_RATES = (250.0, 500.0, 1000.0, 1500.0, 2000.0, 3000.0)
+_TICK_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (all its threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK_S  # utime, stime (fields 14 and 15 of stat)
+
+
+class _LoadGen:
+    """The load generator process and its line protocol (see ``ops.loadgen``)."""
+
+    def __init__(self, info: StackInfo, mode: str, log_path: str, url: str = "") -> None:
+        env = {**os.environ, **info.env()}
+        cmd = [sys.executable, "-m", "ops.loadgen", "--mode", mode, "--model", MODEL,
+               "--bootstrap", info.bootstrap, "--redis-url", info.redis_url, "--url", url]
+        self._log = open(log_path, "ab")  # noqa: SIM115 — closed in close()
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True)
+        ready = self._read()
+        if not ready.get("ready"):
+            raise RuntimeError(f"load generator did not start: {ready}")
+
+    def _read(self) -> dict[str, Any]:
+        stdout: IO[str] = self.proc.stdout  # type: ignore[assignment]
+        line = stdout.readline()
+        if not line:
+            raise RuntimeError(f"load generator exited ({self.proc.poll()}); see {self._log.name}")
+        return dict(json.loads(line))
+
+    def step(self, rate: float, seconds: float, seed: int) -> dict[str, Any]:
+        stdin: IO[str] = self.proc.stdin  # type: ignore[assignment]
+        stdin.write(json.dumps({"rate": rate, "seconds": seconds, "seed": seed}) + "\n")
+        stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def _sweep(gen: _LoadGen, pids: dict[str, int], rates: tuple[float, ...], seconds: float) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+    for i, rate in enumerate(rates):
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        out = gen.step(rate, seconds, seed=i + 1)
+        spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+        answered = max(1, out["ok"] + sum(n for k, n in out["errors"].items() if k != "lost"))
+        cpu = {name: round(s * 1000.0 / answered, 4) for name, s in spent.items()}
+        cpu["total"] = round(sum(cpu.values()), 4)
+        p95, p99 = out["p95_ms"], out["p99_ms"]
+        meets = (out["ok_fraction"] >= SLA_MIN_OK and p95 is not None and p99 is not None
+                 and p95 < SLA_P95_MS and p99 < SLA_P99_MS)
+        step = {**out, "answered_rps": round(answered / out["elapsed_s"], 1), "cpu_ms_per_request": cpu,
+                "meets_sla": meets}
+        steps.append(step)
+        print(f"  {rate:7.0f}/s ok={out['ok_fraction']:.4f} p50={out['p50_ms']} p95={p95} p99={p99} "
+              f"cpu/req={cpu} {'pass' if meets else 'FAIL'}", file=sys.stderr, flush=True)
+        if not meets:
+            break
+        best = step
+        time.sleep(1.0)
+    return {
+        "max_rps_at_sla": best["rate"] if best else 0.0,
+        "cpu_ms_per_request": best["cpu_ms_per_request"] if best else None,
+        "steps": steps,
+    }
+
+
+def bench_transport(
+    seconds: float = 10.0, library_rates: tuple[float, ...] = LIBRARY_RATES,
+    http_rates: tuple[float, ...] = HTTP_RATES, paths: tuple[str, ...] = ("library", "http"),
+    partitions: int = 3, worker_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    stack = LocalStack()
+    info, started = stack.up()
+    home = info.home
+    report: dict[str, Any] = {
+        "model": "noop (no compute: the pipeline alone)", "seconds_per_step": seconds, "cpus": os.cpu_count(),
+        "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK},
+    }
+    worker = gateway = None
+    try:
+        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, partitions)]))
+        worker = spawn_worker(info, MODEL, "--family", "noop", *worker_args,
+                              log_path=os.path.join(home, "bench-transport-worker.log"))
+        asyncio.run(_wait_served(info))
+        base = {"worker": worker.pid, "broker": info.kafka_pid, "redis": info.redis_pid}
+        if "library" in paths:
+            print("library path", file=sys.stderr, flush=True)
+            gen = _LoadGen(info, "library", os.path.join(home, "bench-transport-loadgen.log"))
+            try:
+                report["library"] = _sweep(gen, {"client": gen.proc.pid, **base}, library_rates, seconds)
+            finally:
+                gen.close()
+        if "http" in paths:
+            print("http path", file=sys.stderr, flush=True)
+            port = free_port()
+            gateway = spawn(info, "gateway", "--port", str(port),
+                            log_path=os.path.join(home, "bench-transport-gateway.log"))
+            url = f"http://127.0.0.1:{port}"
+            _wait_http(url)
+            gen = _LoadGen(info, "http", os.path.join(home, "bench-transport-loadgen.log"), url=url)
+            try:
+                pids = {"client": gen.proc.pid, "gateway": gateway.pid, **base}
+                report["http"] = _sweep(gen, pids, http_rates, seconds)
+            finally:
+                gen.close()
+    finally:
+        for proc in (gateway, worker):
+            if proc is not None:
+                stop_process(proc)
+        if started:
+            stack.down()
+    return report
+
+
+async def _wait_served(info: StackInfo) -> None:
+    async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
+        await wait_until_served(client, MODEL)
+
+
+def _wait_http(url: str, timeout_s: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
