@@ -176,7 +176,8 @@ class HttpPool:
 
 def http_request(path: str, body: dict[str, Any]) -> bytes:
     payload = json.dumps(body).encode()
-    head = f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n")
     return head.encode() + payload
 
 
