@@ -1,21 +1,22 @@
-"""The worker: host one or more models, batch their requests, run them off the loop, reply, commit.
+"""The worker: an I/O shell around engine cores. Fetch → cores → executor → publish → commit.
 
-Each hosted model is a *lane*: its runner, its Kafka consumer (in the model's consumer group), its
-``DynamicBatcher`` and its ``OffsetTracker``. The lanes share one executor thread, a producer (for
-the DLQ and Kafka replies) and a Redis connection. Tasks on one event loop, none of which awaits
-in the middle of changing shared state, so no locks are needed:
+Each hosted model has an engine core (``consumers.cores``: every decision about its requests, as
+values) and a *feed* here: its Kafka consumer in the model's group, its offset tracker, its paused
+priorities. The feeds share one executor thread, a producer (DLQ, Kafka replies, stats) and a Redis
+connection. Tasks on one event loop, none of which awaits while changing shared state, so no locks:
 
-    fetch loop (per lane)   getmany() → validate → batcher.add()   bad records → DLQ (+ ``invalid``)
+    fetch loop (per feed)   getmany() → decode (bad records → DLQ + ``invalid``) → core.admit
                             pauses a priority's partitions when the buffer reaches its share
-                            (lower priorities stop first, keeping room for urgent work)
-    dispatch loop           shed (expired / cannot make it / CoDel) → replies
-                            when the executor is free: DeficitRoundRobin picks a lane → its
-                            batcher's next batch → executor thread → results → publish task
-    commit loop             commits the highest offsets whose replies are out
+    dispatch loop           core.shed → replies; when the executor is free, DeficitRoundRobin
+                            picks a core → core.next → executor → core.complete → replies
+    publish tasks           replies out (one Redis pipeline per batch), then their offsets are done
+    commit loop             commits, at most every ``commit_interval_ms``, the highest offsets
+                            whose replies are out
 
 At-least-once: an offset is committed only after the reply for it (and for everything before it
-in its partition) has been published. A worker that dies loses nothing; its partitions go to
-another member of the group, which answers again. Replies are idempotent by request id.
+in its partition) has been published. Commits are coalesced: a worker that dies loses nothing, and
+its partitions' new owner answers again what was answered since the last commit (at most
+``commit_interval_ms`` of traffic, plus what was in flight). Replies are idempotent by request id.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
@@ -38,22 +40,20 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from prometheus_client import start_http_server
 
-from batcher import Batch, BatchPolicy, DeficitRoundRobin, DynamicBatcher, GenPolicy, Reason, StepPlan
-from consumers import metrics
-from consumers.lanes import BatchLane, GenLane, Job, Lane
-from consumers.replies import ReplySink
-from consumers.runners import BatchRunner, ModelSpec, Runner, build_runner
-from consumers.runners.generator import GeneratorRunner
+from batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
+from consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
+from consumers.observer import Observers, PrometheusSink, StatsSink
+from consumers.offsets import OffsetTracker
+from consumers.replies import Delivery, ReplySink
+from consumers.runners import ModelSpec, Runner, build_runner
 from consumers.telemetry import StatsReporter
 from topics import (
     DEFAULT_LIMITS,
-    Chunk,
     InvalidRequest,
     Limits,
     Priority,
     Result,
     Status,
-    Timings,
     Unavailable,
     decode_request,
     now_ms,
@@ -70,27 +70,22 @@ PUBLISH_GRACE_MS = 5_000
 # The share of the in-process buffer each priority may fill before its partitions pause.
 _BUFFER_SHARE = {Priority.P0: 1.0, Priority.P1: 0.75, Priority.P2: 0.5}
 
-_SHED_STATUS = {Reason.EXPIRED: Status.EXPIRED, Reason.DEADLINE: Status.EXPIRED, Reason.CODEL: Status.SHED}
-_SHED_TEXT = {
-    Reason.EXPIRED: "deadline passed while queued",
-    Reason.DEADLINE: "cannot finish by its deadline (predicted queue + compute)",
-    Reason.CODEL: "shed under overload (standing queue), lowest priority first",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    models: tuple[ModelSpec, ...]  # one lane each; co-located models share the executor fairly
+    models: tuple[ModelSpec, ...]  # one core each; co-located models share the executor fairly
     bootstrap: str  # Kafka bootstrap servers, "host:port[,host:port]"
     redis_url: str  # redis://host:port/db
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     gen_policy: GenPolicy = field(default_factory=GenPolicy)  # for generator models
     weights: dict[str, float] = field(default_factory=dict)  # fair-share weight by model (default 1)
-    fair_quantum_ms: float = 50.0  # compute a lane may use per turn; co-located, also the longest batch
+    fair_quantum_ms: float = 50.0  # compute a model may use per turn; co-located, also the longest batch
     limits: Limits = DEFAULT_LIMITS
     device: str = "auto"  # "auto" picks CUDA when available
     max_buffered_inputs: int = 512  # fetched inputs held in memory per model before its partitions pause
     fetch_max_records: int = 500  # records per getmany()
+    fetch_max_wait_ms: int = 50  # how long the broker holds a fetch that has no records yet
+    commit_interval_ms: int = 100  # commits are coalesced: at most one round of them this often
     session_timeout_ms: int = 10_000  # group liveness; a killed worker's partitions move after this
     heartbeat_interval_ms: int = 1_000
     max_poll_interval_ms: int = 300_000  # must exceed the slowest batch
@@ -111,21 +106,48 @@ class WorkerSettings:
                 f"max_buffered_inputs ({self.max_buffered_inputs}) must be >= "
                 f"policy.max_batch_size ({self.policy.max_batch_size})"
             )
+        if self.commit_interval_ms < 0:
+            raise ValueError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms}")
         unknown = set(self.weights) - set(names)
         if unknown:
             raise ValueError(f"weights for models this worker does not host: {sorted(unknown)}")
 
 
+@dataclass(eq=False)
+class _Feed:
+    """The I/O side of one hosted model: where its requests come from and how far they are done."""
+
+    core: EngineCore
+    consumer: AIOKafkaConsumer | None = None
+    tracker: OffsetTracker[TopicPartition] = field(default_factory=OffsetTracker)
+    held: set[Priority] = field(default_factory=set)  # priorities whose partitions are paused
+    priority_of: dict[TopicPartition, Priority] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.core.name
+
+    def priority(self, tp: TopicPartition) -> Priority:
+        found = self.priority_of.get(tp)
+        if found is None:
+            found = self.priority_of[tp] = parse_request_topic(tp.topic)[1]
+        return found
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings, runners: dict[str, Runner] | None = None) -> None:
         self.settings = settings
-        self.lanes: dict[str, Lane] = {
-            spec.name: self._lane(spec, (runners or {}).get(spec.name) or build_runner(spec, settings.device))
-            for spec in settings.models
-        }
+        self.stats = StatsReporter(settings.worker_id)
+        self.observer = Observers([PrometheusSink(), StatsSink(self.stats)])
+        self.feeds: dict[str, _Feed] = {}
+        for spec in settings.models:
+            runner = (runners or {}).get(spec.name) or build_runner(spec, settings.device)
+            core = build_core(spec, runner, policy=settings.policy, gen_policy=settings.gen_policy,
+                              worker_id=settings.worker_id, observer=self.observer)
+            self.feeds[spec.name] = _Feed(core)
         self._fair: DeficitRoundRobin[str] = DeficitRoundRobin(settings.fair_quantum_ms / 1000.0)
-        self._max_batch_s = settings.fair_quantum_ms / 1000.0 if len(self.lanes) > 1 else None
-        for name in self.lanes:
+        self._max_batch_s = settings.fair_quantum_ms / 1000.0 if len(self.feeds) > 1 else None
+        for name in self.feeds:
             self._fair.add(name, settings.weights.get(name, 1.0))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kinfer-model")
         self._stopping = asyncio.Event()
@@ -134,16 +156,10 @@ class Worker:
         self._drained = asyncio.Event()  # dispatch and publishing are over; final commit
         self._ready_logged = False
         self._computing: asyncio.Task[None] | None = None
-        self._free_at = 0.0  # when the running batch is predicted to end
+        self._free_at = 0.0  # when the running work is predicted to end
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._sink: ReplySink | None = None
-        self.stats = StatsReporter(settings.worker_id)
-
-    def _lane(self, spec: ModelSpec, runner: Runner) -> Lane:
-        if isinstance(runner, GeneratorRunner):
-            return GenLane.create(spec, runner, self.settings.gen_policy, self.settings.worker_id)
-        return BatchLane(spec=spec, runner=cast(BatchRunner, runner), batcher=DynamicBatcher(self.settings.policy))
 
     def stop(self) -> None:
         """Graceful stop: stop fetching, finish buffered work, reply, commit, leave the groups."""
@@ -155,9 +171,9 @@ class Worker:
     async def run(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        for lane in self.lanes.values():
-            runner = lane.model_runner
-            log.info("loading model %s (%s) on %s", lane.name, lane.spec.family, runner.device)
+        for feed in self.feeds.values():
+            runner = feed.core.runner
+            log.info("loading model %s (%s) on %s", feed.name, feed.core.spec.family, runner.device)
             await loop.run_in_executor(self._executor, runner.load)
             await loop.run_in_executor(self._executor, runner.warmup)
         if s.metrics_port is not None:
@@ -165,10 +181,10 @@ class Worker:
 
         producer = AIOKafkaProducer(bootstrap_servers=s.bootstrap, acks="all", enable_idempotence=True, linger_ms=1)
         redis = aioredis.Redis.from_url(s.redis_url)
-        for lane in self.lanes.values():
-            lane.consumer = AIOKafkaConsumer(
+        for feed in self.feeds.values():
+            feed.consumer = AIOKafkaConsumer(
                 bootstrap_servers=s.bootstrap,
-                group_id=consumer_group(lane.name),
+                group_id=consumer_group(feed.name),
                 group_instance_id=s.instance_id,
                 client_id=f"kinfer-worker-{s.worker_id}",
                 enable_auto_commit=False,
@@ -176,29 +192,29 @@ class Worker:
                 session_timeout_ms=s.session_timeout_ms,
                 heartbeat_interval_ms=s.heartbeat_interval_ms,
                 max_poll_interval_ms=s.max_poll_interval_ms,
-                fetch_max_wait_ms=50,
+                fetch_max_wait_ms=s.fetch_max_wait_ms,
             )
         try:
             await producer.start()
-            for lane in self.lanes.values():
-                assert lane.consumer is not None
-                await lane.consumer.start()
-                lane.consumer.subscribe(request_topics(lane.name), listener=_Rebalance(self, lane))
+            for feed in self.feeds.values():
+                assert feed.consumer is not None
+                await feed.consumer.start()
+                feed.consumer.subscribe(request_topics(feed.name), listener=_Rebalance(self, feed))
             self._sink = ReplySink(producer, redis)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                for lane in self.lanes.values():
-                    tg.create_task(self._fetch_loop(lane))
+                for feed in self.feeds.values():
+                    tg.create_task(self._fetch_loop(feed))
                 tg.create_task(self._dispatch_loop())
                 tg.create_task(self._commit_loop())
                 tg.create_task(self.stats.run(producer, self._drained))
-                if any(isinstance(lane, GenLane) for lane in self.lanes.values()):
+                if any(feed.core.cancellable for feed in self.feeds.values()):
                     tg.create_task(self._cancel_loop(redis))
         finally:
-            for lane in self.lanes.values():
-                if lane.consumer is not None:
+            for feed in self.feeds.values():
+                if feed.consumer is not None:
                     with contextlib.suppress(KafkaError):
-                        await lane.consumer.stop()  # leaves the group, so partitions move at once
+                        await feed.consumer.stop()  # leaves the group, so partitions move at once
             await producer.stop()
             await redis.aclose()
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -206,32 +222,52 @@ class Worker:
 
     # -- fetch -------------------------------------------------------------------------------
 
-    async def _fetch_loop(self, lane: Lane) -> None:
-        consumer = lane.consumer
+    async def _fetch_loop(self, feed: _Feed) -> None:
+        consumer = feed.consumer
         assert consumer is not None
-        lanes = list(self.lanes.values())
         while not self._stopping.is_set():
-            self._flow_control(lane, consumer)
+            self._flow_control(feed, consumer)
             try:
                 data = await consumer.getmany(timeout_ms=100, max_records=self.settings.fetch_max_records)
             except KafkaError as exc:
-                log.warning("%s: fetch failed, retrying: %s", lane.name, exc)
+                log.warning("%s: fetch failed, retrying: %s", feed.name, exc)
                 await asyncio.sleep(0.5)
                 continue
-            if not self._ready_logged and all(other.consumer and other.consumer.assignment() for other in lanes):
-                self._ready_logged = True
-                log.info("worker %s ready: %s", self.settings.worker_id, ", ".join(self.lanes))
+            if not self._ready_logged:
+                self._log_ready()
             if not data:
                 continue
             now, wall = time.monotonic(), now_ms()
             for tp, records in data.items():
+                priority = feed.priority(tp)
                 for record in records:
-                    lane.tracker.track(tp, record.offset)
-                    await self._admit(lane, tp, record, now, wall)
-            metrics.BUFFERED.labels(lane.name).set(lane.buffered())
+                    feed.tracker.track(tp, record.offset)
+                    self._intake(feed, tp, priority, record, now, wall)
+            self.observer.buffered(feed.name, feed.core.buffered())
             self._wake.set()
 
-    def _flow_control(self, lane: Lane, consumer: AIOKafkaConsumer) -> None:
+    def _log_ready(self) -> None:
+        if all(feed.consumer and feed.consumer.assignment() for feed in self.feeds.values()):
+            self._ready_logged = True
+            log.info("worker %s ready: %s", self.settings.worker_id, ", ".join(self.feeds))
+
+    def _intake(self, feed: _Feed, tp: TopicPartition, priority: Priority, record: ConsumerRecord[bytes, bytes],
+                now: float, wall: int) -> None:
+        """A fetched record becomes a job in its core, or a dead letter."""
+        value = record.value or b""
+        try:
+            request = decode_request(value, self.settings.limits)
+            if request.model != feed.name:
+                raise InvalidRequest(f"model {request.model!r} sent to a topic of {feed.name!r}", "model")
+            queue_ms = max(0.0, wall - record.timestamp)
+            job = Job(request, tp, record.offset, queue_ms, now, now + (request.deadline_ms - wall) / 1000.0)
+            self.observer.fetched(feed.name, request.priority, queue_ms / 1000.0)
+            if not feed.core.admit(job, now):
+                feed.tracker.done(tp, record.offset)  # a copy of a request in progress: that one answers
+        except InvalidRequest as exc:
+            self._spawn_tracked(self._reject(feed, tp, record.offset, value, exc))
+
+    def _flow_control(self, feed: _Feed, consumer: AIOKafkaConsumer) -> None:
         """Kafka is the queue: the in-process buffer is bounded, with room kept for urgent work.
 
         Each priority may fetch until the buffer holds its share of ``max_buffered_inputs`` (p2
@@ -241,13 +277,17 @@ class Worker:
         long as there is room.
         """
         cap = self.settings.max_buffered_inputs
-        buffered = lane.buffered()
+        buffered = feed.core.buffered()
+        held = set(feed.held)
         for prio, share in _BUFFER_SHARE.items():
             if buffered >= share * cap:
-                lane.held.add(prio)
+                held.add(prio)
             elif buffered <= share * cap - cap / 8:
-                lane.held.discard(prio)
-        want = {tp for tp in consumer.assignment() if parse_request_topic(tp.topic)[1] in lane.held}
+                held.discard(prio)
+        if held == feed.held and not held:
+            return
+        feed.held = held
+        want = {tp for tp in consumer.assignment() if feed.priority(tp) in held}
         paused = consumer.paused()
         if want == paused:
             return
@@ -255,90 +295,52 @@ class Worker:
             consumer.pause(*(want - paused))
         if paused - want:
             consumer.resume(*(paused - want))
-        for prio in Priority:
-            metrics.PAUSED.labels(lane.name, prio.label).set(int(prio in lane.held))
+        self.observer.paused(feed.name, held)
 
-    async def _admit(
-        self, lane: Lane, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], now: float, wall: int
-    ) -> None:
-        value = record.value or b""
-        try:
-            request = decode_request(value, self.settings.limits)
-            if request.model != lane.name:
-                raise InvalidRequest(f"model {request.model!r} sent to a topic of {lane.name!r}", "model")
-        except InvalidRequest as exc:
-            await self._reject(lane, tp, record.offset, value, exc)
-            return
-        queue_ms = max(0.0, wall - record.timestamp)
-        job = Job(request, tp, record.offset, queue_ms, now)
-        metrics.QUEUE_WAIT.labels(lane.name, request.priority.label).observe(queue_ms / 1000.0)
-        deadline = now + (request.deadline_ms - wall) / 1000.0
-        if isinstance(lane, GenLane):
-            try:
-                lane.admit(job, now, deadline)
-            except InvalidRequest as exc:
-                await self._reject(lane, tp, record.offset, value, exc)
-            return
-        assert isinstance(lane, BatchLane)
-        if request.stream:
-            refusal = InvalidRequest(f"model {lane.name!r} ({lane.spec.family}) does not stream", "stream")
-            await self._reject(lane, tp, record.offset, value, refusal)
-            return
-        lane.batcher.add(
-            job,
-            priority=int(request.priority),
-            size=len(request.inputs),
-            longest=max(lane.runner.count_tokens(t) for t in request.inputs),
-            deadline=deadline,
-            now=now,
-            enqueued=now - queue_ms / 1000.0,
-        )
-
-    async def _reject(self, lane: Lane, tp: TopicPartition, offset: int, value: bytes, exc: InvalidRequest) -> None:
+    async def _reject(self, feed: _Feed, tp: TopicPartition, offset: int, value: bytes, exc: InvalidRequest) -> None:
+        """Dead-letter a record, tell its sender why when its id and route can be read, then let it commit."""
         assert self._sink is not None
         source = f"{tp.topic}/{tp.partition}@{offset}"
         log.warning("dead-lettering %s: %s", source, exc)
-        await self._sink.dead_letter(value, str(exc), exc.field, source)
-        metrics.DEAD_LETTERS.labels(lane.name, exc.field or "").inc()
+        try:
+            await self._sink.dead_letter(value, str(exc), exc.field, source)
+        except Unavailable as error:
+            log.error("%s", error)  # the record is dropped, not retried forever: it would pin its partition
+        self.observer.dead_letter(feed.name, exc.field or "")
         salvaged = salvage_route(value, self.settings.limits)
         if salvaged is not None:
             rid, route = salvaged
-            result = Result(rid, lane.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id)
+            result = Result(rid, feed.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id)
             with contextlib.suppress(Unavailable):  # the DLQ has it; the reply is a courtesy
-                await self._sink.publish([(route, result)])
-        lane.tracker.done(tp, offset)
+                await asyncio.wait_for(self._sink.publish([Delivery(route, result)]), 5.0)
+        feed.tracker.done(tp, offset)
         self._commit_wake.set()
 
     # -- dispatch ----------------------------------------------------------------------------
 
     async def _dispatch_loop(self) -> None:
         drain_until: float | None = None
+        feeds = list(self.feeds.values())
         while True:
             self._wake.clear()
             now = time.monotonic()
             idle = self._computing is None
-            for lane in self.lanes.values():
-                if isinstance(lane, BatchLane):
-                    self._shed(lane, now, free_at=now if idle else max(now, self._free_at))
-                    metrics.CODEL_DROPPING.labels(lane.name).set(int(lane.batcher.shedding))
+            free_at = now if idle else max(now, self._free_at)
+            for feed in feeds:
+                if shed := feed.core.shed(now, free_at):
+                    self._reply(feed, shed)
             if idle:
                 self._start_next(now)
-            for lane in self.lanes.values():
-                metrics.BUFFERED.labels(lane.name).set(lane.buffered())
-
-            queued = sum(lane.buffered() for lane in self.lanes.values())
             if self._stopping.is_set():
                 drain_until = drain_until or now + self.settings.drain_timeout_s
-                busy = self._computing is not None or any(lane.has_work() for lane in self.lanes.values())
+                busy = self._computing is not None or any(feed.core.has_work() for feed in feeds)
                 if not busy or now >= drain_until:
+                    queued = sum(feed.core.buffered() for feed in feeds)
                     if queued:
                         log.warning("drain timeout: %d requests left for redelivery", queued)
                     break
             idle = self._computing is None
-            wakes = [
-                w for lane in self.lanes.values()
-                if isinstance(lane, BatchLane) and (w := lane.batcher.wake_at(now, idle=idle)) is not None
-            ]
+            wakes = [w for feed in feeds if (w := feed.core.wake_at(now, idle)) is not None]
             if drain_until is not None:
                 wakes.append(drain_until)
             timeout = max(0.0, min(wakes) - now) if wakes else None
@@ -352,145 +354,58 @@ class Worker:
         self._commit_wake.set()
 
     def _start_next(self, now: float) -> None:
-        """One executor: pick a lane fairly and start its next batch or generation step, if any."""
-        ready = {name for name, lane in self.lanes.items() if lane.has_work()}
+        """One executor: pick a core fairly and start its next work, if any."""
+        ready = {name for name, feed in self.feeds.items() if feed.core.has_work()}
         while ready:
             name = self._fair.pick(ready)
             assert name is not None
-            lane = self.lanes[name]
-            if isinstance(lane, GenLane):
-                plan, ended = lane.plan(now)
-                if ended:
-                    self._reply(lane, ended)
-                    self._gen_gauges(lane)
-                if lane.runnable(plan):
-                    self._free_at = now + lane.step_s
-                    self._computing = self._spawn(self._generate(lane, plan))
-                    return
-            else:
-                assert isinstance(lane, BatchLane)
-                # Co-located, a batch may not outlast the fair-share quantum: a neighbour's request that
-                # comes while it runs waits for it whole, whatever the fair share says.
-                batch = lane.batcher.next_batch(now, idle=True, max_batch_s=self._max_batch_s)
-                if batch is not None:
-                    self._free_at = now + batch.predicted_s
-                    self._computing = self._spawn(self._compute(lane, batch))
-                    return
+            feed = self.feeds[name]
+            # Co-located, work may not outlast the fair-share quantum: a neighbour's request that
+            # comes while it runs waits for it whole, whatever the fair share says.
+            plan = feed.core.next(now, self._max_batch_s)
+            if plan.replies:
+                self._reply(feed, plan.replies)
+            if plan.work is not None:
+                self._free_at = now + plan.work.predicted_s
+                self._computing = self._spawn(self._run(feed, plan.work))
+                return
             ready.discard(name)  # nothing to start (a naive window holding back, or only evictions)
 
-    def _shed(self, lane: BatchLane, now: float, free_at: float) -> None:
-        dropped = lane.batcher.shed(now, free_at=free_at)
-        if not dropped:
-            return
-        replies = []
-        for d in dropped:
-            job = d.pending.payload
-            metrics.SHED.labels(lane.name, job.request.priority.label, d.reason.value).inc()
-            self.stats.shed(lane.name, d.reason.value)
-            error = _SHED_TEXT[d.reason]
-            replies.append((job, self._result(lane, job, _SHED_STATUS[d.reason], error=error)))
-        self._reply(lane, replies)
-
-    async def _generate(self, lane: GenLane, plan: StepPlan) -> None:
-        """One continuous-batching step: drop, decode, prefill; then stream what it produced."""
-        admit, drop = lane.step_inputs(plan)
+    async def _run(self, feed: _Feed, work: Work) -> None:
         started = time.monotonic()
-        loop = asyncio.get_running_loop()
         try:
-            events = await loop.run_in_executor(self._executor, lane.runner.step, admit, drop)
-        except Exception:
-            log.exception("%s: generation step failed; failing its sequences", lane.name)
-            raise  # the runner's batch is in an unknown state: let the worker die and redeliver
+            value = await asyncio.get_running_loop().run_in_executor(self._executor, work.call)
+            error = None
+        except Exception as exc:  # the core decides: error replies (a batch), or the worker dies (a step)
+            log.exception("%s: model call failed", feed.name)
+            value, error = None, exc
         took = time.monotonic() - started
-        # When the next step's co-located work can start (the first step measured sets it).
-        lane.step_s = took if lane.step_s == 0 else lane.step_s + 0.2 * (took - lane.step_s)
-        self._fair.charge(lane.name, took)
-        metrics.GEN_STEP.labels(lane.name).observe(took)
-        metrics.SPEC_PROPOSED.labels(lane.name).inc(lane.runner.spec_proposed - lane.spec_seen[0])
-        metrics.SPEC_ACCEPTED.labels(lane.name).inc(lane.runner.spec_accepted - lane.spec_seen[1])
-        lane.spec_seen = (lane.runner.spec_proposed, lane.runner.spec_accepted)
-        metrics.GEN_TOKENS.labels(lane.name).inc(len(events))
-        self.stats.batch(lane.name, len(lane.scheduler.running), len(admit), len(events), took, step=True)
-        batch = lane.runner.batch
-        if batch is not None and batch.cache_tokens:
-            metrics.KV_PADDING.labels(lane.name).observe(1.0 - batch.real_tokens / batch.cache_tokens)
-        replies, _ = lane.apply(events)
-        self._gen_gauges(lane)
+        self._fair.charge(feed.name, took)
+        replies = feed.core.complete(work, Outcome(value, error, started, took))
         self._computing = None
         self._wake.set()
         if replies:
-            self._reply(lane, replies)
-
-    @staticmethod
-    def _gen_gauges(lane: GenLane) -> None:
-        metrics.GEN_RUNNING.labels(lane.name).set(len(lane.scheduler.running))
-        metrics.KV_RESERVED.labels(lane.name).set(lane.scheduler.kv_reserved)
-
-    async def _compute(self, lane: BatchLane, batch: Batch[Job]) -> None:
-        jobs = batch.payloads
-        texts = [t for job in jobs for t in job.request.inputs]
-        started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        try:
-            outputs = await loop.run_in_executor(self._executor, lane.runner.run, texts)
-            error = None
-        except Exception as exc:  # the model failed: every request in the batch gets an error reply
-            log.exception("%s: batch of %d failed", lane.name, len(texts))
-            outputs, error = [], f"{type(exc).__name__}: {exc}"
-        took = time.monotonic() - started
-        lane.batcher.observe(batch, took)
-        self._fair.charge(lane.name, took)
-        self._observe(lane, batch, started, took)
-        self.stats.batch(lane.name, len(texts), len(jobs), batch.real_tokens, took, batch.predicted_s,
-                         errors=len(jobs) if error is not None else 0)
-        replies, i = [], 0
-        for job in jobs:
-            n = len(job.request.inputs)
-            timings = Timings(job.queue_ms, (started - job.fetched) * 1000.0, took * 1000.0, len(texts))
-            if error is None:
-                result = self._result(lane, job, Status.OK, outputs=outputs[i : i + n], timings=timings)
-            else:
-                result = self._result(lane, job, Status.ERROR, error=error, timings=timings)
-            replies.append((job, result))
-            i += n
-        self._computing = None
-        self._wake.set()
-        self._reply(lane, replies)
-
-    def _observe(self, lane: BatchLane, batch: Batch[Job], started: float, took: float) -> None:
-        metrics.COMPUTE.labels(lane.name).observe(took)
-        metrics.PREDICTED.labels(lane.name).observe(batch.predicted_s)
-        metrics.BATCH_SIZE.labels(lane.name).observe(batch.size)
-        metrics.PADDING.labels(lane.name).observe(batch.padding_ratio)
-        for p in batch.items:
-            metrics.BATCH_WAIT.labels(lane.name, p.payload.request.priority.label).observe(started - p.arrival)
-
-    def _result(
-        self, lane: Lane, job: Job, status: Status, *, outputs: list[Any] | None = None, error: str | None = None,
-        timings: Timings | None = None,
-    ) -> Result:
-        return Result(
-            id=job.request.id, model=lane.name, status=status, outputs=list(outputs or []), error=error,
-            timings=timings or Timings(queue_ms=job.queue_ms), worker=self.settings.worker_id,
-        )
+            self._reply(feed, replies)
 
     # -- replies and commits -----------------------------------------------------------------
 
-    def _reply(self, lane: Lane, replies: list[tuple[Job, Result]] | list[tuple[Job, Result | Chunk]]) -> None:
-        if isinstance(lane, GenLane):  # a batch lane reports its sheds where it decides them (_shed)
-            for _, reply in replies:
-                if isinstance(reply, Result) and reply.status is Status.EXPIRED:
-                    self.stats.shed(lane.name, Reason.DEADLINE.value)
-        self._publishing.add(task := self._spawn(self._publish(lane, replies)))
+    def _reply(self, feed: _Feed, replies: list[Outgoing]) -> None:
+        self._spawn_tracked(self._publish(feed, replies))
+
+    def _spawn_tracked(self, coro: Coroutine[Any, Any, None]) -> None:
+        """A publishing task: the drain waits for every one of them before the final commit."""
+        task = self._spawn(coro)
+        self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
 
-    async def _publish(self, lane: Lane, replies: list[tuple[Job, Result]] | list[tuple[Job, Result | Chunk]]) -> None:
+    async def _publish(self, feed: _Feed, replies: list[Outgoing]) -> None:
         assert self._sink is not None
-        give_up_ms = max(job.request.deadline_ms for job, _ in replies) + PUBLISH_GRACE_MS
+        deliveries = [Delivery(o.job.request.reply, o.message, o.job.request.batch_reply) for o in replies]
+        give_up_ms = max(o.job.request.deadline_ms for o in replies) + PUBLISH_GRACE_MS
         delay = 0.05
         while True:
             try:
-                await self._sink.publish([(job.request.reply, result) for job, result in replies])
+                await self._sink.publish(deliveries)
                 break
             except Unavailable as exc:
                 if now_ms() > give_up_ms:
@@ -499,12 +414,13 @@ class Worker:
                 log.warning("reply publish failed, retrying in %.2fs: %s", delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        for job, reply in replies:
-            if isinstance(reply, Chunk) and not reply.final:
-                continue  # a stream's offset is done with its last chunk
-            lane.tracker.done(job.tp, job.offset)
-            status = reply.status.value if reply.status is not None else "ok"
-            metrics.RESULTS.labels(lane.name, job.request.priority.label, status).inc()
+        done: Counter[tuple[Priority, Status]] = Counter()
+        tracker = feed.tracker
+        for o in replies:
+            if o.terminal:  # a stream's offset is done with its last chunk
+                tracker.done(o.job.partition, o.job.offset)
+                done[o.job.request.priority, o.message.status or Status.OK] += 1
+        self.observer.replied(feed.name, done)
         self._commit_wake.set()
 
     async def _cancel_loop(self, redis: aioredis.Redis) -> None:
@@ -518,38 +434,45 @@ class Worker:
                     continue
                 try:
                     note = msgpack.unpackb(msg["data"], raw=False, max_str_len=256, max_map_len=4)
-                    lane = self.lanes.get(note["model"])
+                    feed = self.feeds.get(note["model"])
                     rid = note["id"]
                 except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError):
                     continue
-                if isinstance(lane, GenLane) and lane.scheduler.cancel(rid):
-                    metrics.GEN_CANCELLED.labels(lane.name).inc()
+                if feed is not None and isinstance(rid, str) and feed.core.cancel(rid):
                     self._wake.set()
         finally:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _commit_loop(self) -> None:
+        """Commit what is done, coalesced: at most one round every ``commit_interval_ms``."""
+        interval_s = self.settings.commit_interval_ms / 1000.0
+        last = 0.0
         while True:
             await self._commit_wake.wait()
+            wait_s = last + interval_s - time.monotonic()
+            if wait_s > 0 and not self._drained.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drained.wait(), wait_s)
             self._commit_wake.clear()
-            for lane in self.lanes.values():
-                await self._commit(lane)
+            for feed in self.feeds.values():
+                await self._commit(feed)
+            last = time.monotonic()
             if self._drained.is_set():
                 return
 
-    async def _commit(self, lane: Lane) -> None:
-        consumer = lane.consumer
+    async def _commit(self, feed: _Feed) -> None:
+        consumer = feed.consumer
         if consumer is None:
             return
-        positions = lane.tracker.committable(consumer.assignment())
+        positions = feed.tracker.committable(consumer.assignment())
         if not positions:
             return
         try:
             await consumer.commit({tp: OffsetAndMetadata(pos, "") for tp, pos in positions.items()})
-            lane.tracker.mark_committed(positions)
+            feed.tracker.mark_committed(positions)
         except (CommitFailedError, KafkaError) as exc:
             # A rebalance took the partitions away; their new owner re-answers from the last commit.
-            log.warning("%s: commit of %s failed: %s", lane.name, positions, exc)
+            log.warning("%s: commit of %s failed: %s", feed.name, positions, exc)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         assert self._tg is not None
@@ -557,25 +480,24 @@ class Worker:
 
     # -- rebalance ---------------------------------------------------------------------------
 
-    async def on_revoked(self, lane: Lane, revoked: set[TopicPartition]) -> None:
-        await self._commit(lane)
-        gone = lane.batcher.remove(lambda p: p.payload.tp in revoked) if isinstance(lane, BatchLane) else []
-        lane.tracker.forget(revoked)
+    async def on_revoked(self, feed: _Feed, revoked: set[TopicPartition]) -> None:
+        await self._commit(feed)
+        gone = feed.core.revoke(revoked)
+        feed.tracker.forget(revoked)
         if gone:
-            log.info("%s: revoked %d partitions; %d queued requests left for the new owner",
-                     lane.name, len(revoked), len(gone))
+            log.info("%s: revoked %d partitions; %d requests left for the new owner", feed.name, len(revoked), gone)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, worker: Worker, lane: Lane) -> None:
+    def __init__(self, worker: Worker, feed: _Feed) -> None:
         self._worker = worker
-        self._lane = lane
+        self._feed = feed
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self._worker.on_revoked(self._lane, revoked)
+        await self._worker.on_revoked(self._feed, revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        log.info("%s: assigned %d partitions", self._lane.name, len(assigned))
+        log.info("%s: assigned %d partitions", self._feed.name, len(assigned))
 
 
 __all__ = ["Worker", "WorkerSettings"]

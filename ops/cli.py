@@ -123,6 +123,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
+    import msgspec
+
     from producers import Client
 
     bootstrap, redis_url = resolve_endpoints()
@@ -131,7 +133,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
         async with Client(bootstrap, redis_url, tenant=args.tenant) as client:
             result = await client.infer(args.model, args.text, priority=args.priority, deadline_ms=args.deadline_ms)
             print(json.dumps({"id": result.id, "status": result.status, "outputs": result.outputs,
-                              "timings": result.timings.to_wire(), "worker": result.worker}))
+                              "timings": msgspec.to_builtins(result.timings), "worker": result.worker}))
 
     asyncio.run(main())
     return 0

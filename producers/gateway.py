@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi import Depends, FastAPI, Header, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -349,12 +350,13 @@ def _finish(reason: str | None) -> str:
 
 def result_json(result: Result) -> dict[str, Any]:
     return {"id": result.id, "model": result.model, "status": result.status.value, "outputs": result.outputs,
-            "timings": result.timings.to_wire(), "worker": result.worker}
+            "timings": msgspec.to_builtins(result.timings), "worker": result.worker}
 
 
 def chunk_json(chunk: Chunk) -> dict[str, Any]:
-    wire = chunk.to_wire()
-    return {k: wire[k] for k in ("id", "model", "seq", "text", "tokens", "final", "status", "finish", "usage")}
+    return {"id": chunk.id, "model": chunk.model, "seq": chunk.seq, "text": chunk.text, "tokens": chunk.tokens,
+            "final": chunk.final, "status": chunk.status, "finish": chunk.finish,
+            "usage": msgspec.to_builtins(chunk.usage)}
 
 
 def error_payload(exc: KinferError) -> tuple[int, dict[str, Any], dict[str, str]]:

@@ -15,7 +15,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from producers.streams import StreamBuffer
-from topics import Chunk, InvalidRequest, KinferError, ReplyRoute, Result, RouteKind, Unavailable, decode_reply
+from topics import Chunk, KinferError, MalformedRecord, Reply, ReplyRoute, Result, Unavailable, decode_replies
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class ReplyMux:
         self.duplicates = 0
         self.late = 0
         self.unknown = 0
+        self.malformed = 0  # replies that did not decode (dropped)
         self.redis_healthy = False
         self.received = {"redis": 0, "kafka": 0}  # replies read from each source
         self._bootstrap = bootstrap
@@ -73,9 +74,9 @@ class ReplyMux:
     def route(self) -> ReplyRoute:
         """Where the next request should ask for its reply."""
         if self.redis_healthy and not (self.prefer_kafka and self._kafka is not None):
-            return ReplyRoute(RouteKind.REDIS, self.channel, self.reply_topic if self._kafka else None)
+            return ReplyRoute.channel(self.channel, self.reply_topic if self._kafka else None)
         if self._kafka is not None and self.reply_topic is not None:
-            return ReplyRoute(RouteKind.KAFKA, self.reply_topic)
+            return ReplyRoute.topic(self.reply_topic)
         raise Unavailable("no reply route: Redis is unreachable and there is no reply topic")
 
     async def start(self, reply_partitions: set[int] | None = None) -> None:
@@ -152,7 +153,8 @@ class ReplyMux:
             self.duplicates += stream.duplicates
             self._remember(request_id, answered=stream.finished)
             return
-        self._remember(request_id, answered=fut is None or (fut.done() and not fut.cancelled()))
+        answered = fut is None or (fut.done() and not fut.cancelled() and fut.exception() is None)
+        self._remember(request_id, answered=answered)
 
     def _remember(self, request_id: str, answered: bool) -> None:
         self._recent[request_id] = answered
@@ -172,7 +174,7 @@ class ReplyMux:
                     await self._subscribe()
                     log.info("Redis is back: replies on %s again", self.channel)
                     delay = 0.1
-                msg = await self._pubsub.get_message(timeout=1.0)
+                msg = await self._pubsub.get_message(timeout=None)  # blocks until a message (or an error)
             except (RedisError, OSError, Unavailable) as exc:
                 if self.redis_healthy:
                     log.warning("Redis reply channel lost (%s); falling back to %s", exc, self.reply_topic)
@@ -201,15 +203,17 @@ class ReplyMux:
 
     def _receive(self, data: bytes, source: str) -> None:
         try:
-            reply = decode_reply(data)
-        except InvalidRequest as exc:
+            replies = decode_replies(data)
+        except MalformedRecord as exc:
+            self.malformed += 1
             log.warning("dropping an unreadable reply: %s", exc)
             return
-        if reply.id in self._waiters or reply.id in self._streams:
-            self.received[source] += 1
-        self._deliver(reply)
+        for reply in replies:
+            if reply.id in self._waiters or reply.id in self._streams:
+                self.received[source] += 1
+            self._deliver(reply)
 
-    def _deliver(self, reply: Result | Chunk) -> None:
+    def _deliver(self, reply: Reply) -> None:
         stream = self._streams.get(reply.id)
         if stream is not None:
             if isinstance(reply, Chunk):

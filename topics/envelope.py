@@ -1,27 +1,39 @@
-"""The versioned msgpack envelope: requests, results, and their limits.
+"""The versioned msgpack envelope: requests, results, stream chunks, and their limits.
 
-Wire data becomes these dataclasses once, here, and nowhere else. ``WIRE_FORMAT.md`` beside this
-file describes the same format for teams that never import kinfer; keep the two in step.
+Each record is a ``msgspec.Struct``: the class *is* the contract. Its fields (with their types and
+``Meta`` constraints) say what a valid record holds, and the one codec below encodes and decodes
+every record from them, validating in C while it decodes — no hand-written ``to_wire``/``unpack``
+pairs to drift apart. Wire data becomes these objects once, here, and nowhere else.
+``WIRE_FORMAT.md`` beside this file describes the same format for teams that never import kinfer.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 import re
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from itertools import count
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgpack
+import msgspec
 
-from topics.errors import DeadlineExceeded, InvalidRequest, KinferError, ModelError, Shed
-from topics.names import Priority, valid_model_name, valid_route_name
+from topics.errors import DeadlineExceeded, InvalidRequest, KinferError, MalformedRecord, ModelError, Shed
+from topics.names import MODEL_PATTERN, ROUTE_PATTERN, Priority
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION: Final = 1
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+_ID_RE = re.compile(ID_PATTERN)
+
+RequestId = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
+ModelName = Annotated[str, msgspec.Meta(pattern=MODEL_PATTERN)]
+RouteName = Annotated[str, msgspec.Meta(pattern=ROUTE_PATTERN)]
+Version = Literal[1]  # a reader of version 1 refuses any other (a missing ``v`` reads as 1)
+Scalar = str | int | float | bool | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,117 +70,65 @@ class RouteKind(enum.StrEnum):
     KAFKA = "kafka"  # Kafka topic: durable, read by the client's reply consumer
 
 
-@dataclass(frozen=True, slots=True)
-class ReplyRoute:
-    """Where the worker publishes the result."""
+class ReplyRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Where the worker publishes the result: a Redis channel (with a Kafka fallback topic), or a topic."""
 
-    kind: RouteKind
-    name: str  # channel name for REDIS, topic name for KAFKA
-    fallback_topic: str | None = None  # with REDIS: the Kafka topic to use when Redis is unreachable
+    redis: RouteName | None = None  # Redis pub/sub channel; when set, ``kafka`` is its fallback
+    kafka: RouteName | None = None  # Kafka reply topic
 
-    def to_wire(self) -> dict[str, str]:
-        wire = {self.kind.value: self.name}
-        if self.fallback_topic is not None:
-            wire["kafka"] = self.fallback_topic
-        return wire
+    def __post_init__(self) -> None:
+        if self.redis is None and self.kafka is None:
+            raise ValueError("reply must name a 'redis' channel and/or a 'kafka' topic")
 
     @classmethod
-    def from_wire(cls, value: Any) -> ReplyRoute:
-        if not isinstance(value, dict) or not 1 <= len(value) <= 2 or not set(value) <= {"redis", "kafka"}:
-            raise InvalidRequest("reply must be a map of 'redis' and/or 'kafka'", "reply")
-        for name in value.values():
-            if not isinstance(name, str) or not valid_route_name(name):
-                raise InvalidRequest("reply names must be 1-128 characters of [A-Za-z0-9_.:-]", "reply")
-        if "redis" in value:
-            return cls(RouteKind.REDIS, value["redis"], value.get("kafka"))
-        return cls(RouteKind.KAFKA, value["kafka"])
+    def channel(cls, name: str, fallback_topic: str | None = None) -> ReplyRoute:
+        return cls(redis=name, kafka=fallback_topic)
+
+    @classmethod
+    def topic(cls, name: str) -> ReplyRoute:
+        return cls(kafka=name)
+
+    @property
+    def kind(self) -> RouteKind:
+        return RouteKind.REDIS if self.redis is not None else RouteKind.KAFKA
+
+    @property
+    def name(self) -> str:
+        """The channel (REDIS) or topic (KAFKA) replies go to first."""
+        return self.redis if self.redis is not None else self.kafka  # type: ignore[return-value]
+
+    @property
+    def fallback_topic(self) -> str | None:
+        """With REDIS: the Kafka topic to use when Redis cannot deliver."""
+        return self.kafka if self.redis is not None else None
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(msgspec.Struct, frozen=True, tag="req", tag_field="t"):
     """One inference request, as published to ``infer.<model>.<priority>``."""
 
-    id: str  # unique per request; the correlation key and the idempotency key
-    model: str  # served model name
+    id: RequestId  # unique per request; the correlation key and the idempotency key
+    model: ModelName  # served model name
     priority: Priority  # p0 interactive .. p2 batch
-    tenant: str  # who asked; quotas and metrics are per tenant
-    created_ms: int  # wall-clock ms when the client created it
+    tenant: Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]  # who asked; quotas and metrics are per tenant
+    created_ms: Annotated[int, msgspec.Meta(gt=0)]  # wall-clock ms when the client created it
     deadline_ms: int  # wall-clock ms after which a result is useless
     inputs: tuple[str, ...]  # texts to run; each yields one output
     reply: ReplyRoute  # where the result goes
-    params: dict[str, Any] = field(default_factory=dict)  # model-specific knobs (scalars only)
+    params: dict[str, Scalar] = {}  # model-specific knobs (scalars only)
     stream: bool = False  # whether the client wants stream chunks (generation)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "v": ENVELOPE_VERSION,
-            "t": "req",
-            "id": self.id,
-            "model": self.model,
-            "priority": int(self.priority),
-            "tenant": self.tenant,
-            "created_ms": self.created_ms,
-            "deadline_ms": self.deadline_ms,
-            "inputs": list(self.inputs),
-            "params": self.params,
-            "stream": self.stream,
-            "reply": self.reply.to_wire(),
-        }
+    # The client reads ``t = "batch"`` replies: the worker may send several results for the same
+    # reply channel in one message. Off by default, so a reader that predates batches never sees one.
+    batch_reply: bool = False
+    v: Version = ENVELOPE_VERSION
 
 
-@dataclass(frozen=True, slots=True)
-class Timings:
+class Timings(msgspec.Struct, frozen=True):
     """Where a request's time went inside the worker, in milliseconds."""
 
     queue_ms: float = 0.0  # from the Kafka record timestamp to being fetched by the worker
     batch_wait_ms: float = 0.0  # from fetched to its batch starting compute
     compute_ms: float = 0.0  # the batch's forward pass
     batch_size: int = 0  # inputs in the batch it ran in
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "queue_ms": self.queue_ms,
-            "batch_wait_ms": self.batch_wait_ms,
-            "compute_ms": self.compute_ms,
-            "batch_size": self.batch_size,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """The terminal reply to one request."""
-
-    id: str  # the request's id
-    model: str  # the model that answered
-    status: Status  # terminal state
-    outputs: list[Any] = field(default_factory=list)  # one per input when status is OK
-    error: str | None = None  # human-readable reason when status is not OK
-    timings: Timings = field(default_factory=Timings)
-    worker: str = ""  # which worker instance answered (for debugging redeliveries)
-
-    @property
-    def ok(self) -> bool:
-        return self.status is Status.OK
-
-    def raise_for_status(self) -> Result:
-        """Return self when ok; otherwise raise the typed error that matches the status."""
-        if self.status is Status.OK:
-            return self
-        error: type[KinferError] = _STATUS_ERRORS[self.status]
-        raise error(f"{self.model}/{self.id}: {self.status.value}: {self.error or 'no detail'}")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "v": ENVELOPE_VERSION,
-            "t": "res",
-            "id": self.id,
-            "model": self.model,
-            "status": self.status.value,
-            "outputs": self.outputs,
-            "error": self.error,
-            "timings": self.timings.to_wire(),
-            "worker": self.worker,
-        }
 
 
 _STATUS_ERRORS: dict[Status, type[KinferError]] = {
@@ -179,119 +139,172 @@ _STATUS_ERRORS: dict[Status, type[KinferError]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
+class Result(msgspec.Struct, frozen=True, tag="res", tag_field="t"):
+    """The terminal reply to one request."""
+
+    id: str  # the request's id
+    model: str  # the model that answered
+    status: Status  # terminal state
+    outputs: list[Any] = []  # one per input when status is OK
+    error: str | None = None  # human-readable reason when status is not OK
+    timings: Timings = Timings()
+    worker: str = ""  # which worker instance answered (for debugging redeliveries)
+    v: Version = ENVELOPE_VERSION
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    def raise_for_status(self) -> Result:
+        """Return self when ok; otherwise raise the typed error that matches the status."""
+        if self.status is Status.OK:
+            return self
+        raise _STATUS_ERRORS[self.status](f"{self.model}/{self.id}: {self.status.value}: {self.error or 'no detail'}")
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Chunk(msgspec.Struct, frozen=True, tag="chunk", tag_field="t"):
     """One piece of a streamed result (generation): sent in order of ``seq``, the last one ``final``."""
 
     id: str  # the request's id
     model: str
     seq: int  # 0, 1, 2, ... per request; a client reorders by it and drops repeats
     text: str = ""  # text that became final with this chunk
-    tokens: list[int] = field(default_factory=list)  # token ids in this chunk
+    tokens: list[int] = []  # token ids in this chunk
     final: bool = False  # the last chunk of the stream
     status: Status | None = None  # on the final chunk: how the stream ended
     finish: str | None = None  # on the final chunk: eos, length, stop, deadline, cancelled, ...
-    prompt_tokens: int = 0  # usage, on the final chunk
-    completion_tokens: int = 0
+    usage: Usage = Usage()  # on the final chunk
     error: str | None = None
     worker: str = ""
+    v: Version = ENVELOPE_VERSION
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "v": ENVELOPE_VERSION,
-            "t": "chunk",
-            "id": self.id,
-            "model": self.model,
-            "seq": self.seq,
-            "text": self.text,
-            "tokens": self.tokens,
-            "final": self.final,
-            "status": self.status.value if self.status is not None else None,
-            "finish": self.finish,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
-            "error": self.error,
-            "worker": self.worker,
-        }
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens
 
     def raise_for_status(self) -> Chunk:
         if self.status is None or self.status is Status.OK:
             return self
-        error: type[KinferError] = _STATUS_ERRORS[self.status]
+        error = _STATUS_ERRORS[self.status]
         raise error(f"{self.model}/{self.id}: {self.status.value}: {self.error or self.finish or 'no detail'}")
+
+
+class ReplyBatch(msgspec.Struct, frozen=True, tag="batch", tag_field="t"):
+    """Several replies for one reply channel in one message (only to requests with ``batch_reply``)."""
+
+    replies: list[Result | Chunk]  # in the order the worker produced them
+    v: Version = ENVELOPE_VERSION
+
+
+Reply = Result | Chunk
+Message = Request | Result | Chunk | ReplyBatch
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+_ID_PREFIX = os.urandom(6).hex()
+_ID_SEQ = count()
+
+
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """Unique without a syscall: a random per-process prefix and a counter (28 characters)."""
+    return f"{_ID_PREFIX}{os.getpid() & 0xFFFF:04x}{next(_ID_SEQ):012x}"
 
 
 # ---------------------------------------------------------------------------------------------
-# Encoding and decoding
+# The codec: one encoder and one decoder per record type, all driven by the Structs above.
+
+_encoder = msgspec.msgpack.Encoder()
+_float32 = msgpack.Packer(use_bin_type=True, use_single_float=True, autoreset=True)
+_PATH_RE = re.compile(r"at `\$\.(\w+)")
+_MISSING_RE = re.compile(r"missing required field `(\w+)`")
+
+M = TypeVar("M")
 
 
-def pack(message: Request | Result | Chunk) -> bytes:
+def pack(message: Message) -> bytes:
     """Encode for the wire; raises ``InvalidRequest`` for what msgpack cannot carry.
 
-    Results and chunks send floats as float32 (embeddings need no more, and halve in size);
-    requests keep float64, so a parameter is never rounded or overflowed on its way.
+    Replies send floats as float32 (embeddings need no more, and halve in size); requests keep
+    float64, so a parameter is never rounded or overflowed on its way.
     """
     try:
-        data: bytes = msgpack.packb(
-            message.to_wire(), use_bin_type=True, use_single_float=not isinstance(message, Request)
-        )
-    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a lone UTF-16 surrogate in a string
+        if isinstance(message, Request):
+            return _encoder.encode(message)
+        data: bytes = _float32.pack(msgspec.to_builtins(message))
+        return data
+    except (ValueError, TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError) as exc:
         raise InvalidRequest(f"cannot encode the message: {exc}", "message") from exc
-    return data
 
 
-def _unpack(data: bytes, limits: Limits, *, max_array: int) -> Any:
-    if len(data) > limits.max_message_bytes:
-        raise InvalidRequest(
-            f"message is {len(data)} bytes, over the limit of {limits.max_message_bytes}", "message"
-        )
+def _field_of(exc: msgspec.MsgspecError) -> str:
+    """The top-level field a validation error is about ("message" when it is the record itself)."""
+    text = str(exc)
+    match = _PATH_RE.search(text) or _MISSING_RE.search(text)
+    return match.group(1) if match else "message"
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[M], data: bytes, max_bytes: int) -> M:
+    """Decode with the record's own validation; ``InvalidRequest`` names the offending field."""
+    if len(data) > max_bytes:
+        raise InvalidRequest(f"message is {len(data)} bytes, over the limit of {max_bytes}", "message")
     try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=limits.max_text_chars * 4,  # UTF-8 needs at most 4 bytes a character
-            max_bin_len=limits.max_message_bytes,
-            max_array_len=max_array,
-            max_map_len=max(limits.max_params, 16),
-            max_ext_len=0,
-        )
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        text = str(exc)
-        if "max_array_len" in text:  # the only array in a request is ``inputs``
-            raise InvalidRequest(f"too many inputs: over the limit of {max_array} ({text})", "inputs") from exc
-        if "max_str_len" in text:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(str(exc), _field_of(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"not a valid msgpack envelope: {exc}", "message") from exc
+
+
+_requests = msgspec.msgpack.Decoder(Request)
+
+
+def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
+    """Decode and validate a request; raises ``InvalidRequest`` naming the offending field.
+
+    Types, patterns and the version are checked by the decoder as it reads; the configurable
+    ``limits`` right after (the record is already bounded by ``max_message_bytes``).
+    """
+    request = _decode(_requests, data, limits.max_message_bytes)
+    if request.deadline_ms <= request.created_ms:
+        raise InvalidRequest("need 0 < created_ms < deadline_ms", "deadline_ms")
+    inputs = request.inputs
+    if not inputs:
+        raise InvalidRequest(f"inputs must hold 1 to {limits.max_inputs} texts, got none", "inputs")
+    if len(inputs) > limits.max_inputs:
+        raise InvalidRequest(f"too many inputs: {len(inputs)}, over the limit of {limits.max_inputs}", "inputs")
+    for i, text in enumerate(inputs):
+        if len(text) > limits.max_text_chars:
             raise InvalidRequest(
-                f"a string is over the limit of {limits.max_text_chars} characters ({text})", "inputs"
-            ) from exc
-        raise InvalidRequest(f"not a valid msgpack envelope: {text}", "message") from exc
+                f"inputs[{i}] has {len(text)} characters, over the limit of {limits.max_text_chars}", "inputs"
+            )
+    params = request.params
+    if params:
+        if len(params) > limits.max_params:
+            raise InvalidRequest(f"params must be a map of at most {limits.max_params} entries", "params")
+        for key, value in params.items():
+            if isinstance(value, str) and len(value) > limits.max_param_chars:
+                raise InvalidRequest(f"params[{key!r}] is longer than {limits.max_param_chars}", "params")
+    return request
 
 
-def _header(obj: Any, kind: str) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise InvalidRequest("envelope must be a msgpack map", "message")
-    if obj.get("v") != ENVELOPE_VERSION:
-        raise InvalidRequest(f"unsupported envelope version {obj.get('v')!r}", "v")
-    if obj.get("t") != kind:
-        raise InvalidRequest(f"expected envelope type {kind!r}, got {obj.get('t')!r}", "t")
-    return obj
+class _Salvage(msgspec.Struct):
+    id: RequestId
+    reply: ReplyRoute
 
 
-def _field(obj: dict[str, Any], name: str, typ: type | tuple[type, ...]) -> Any:
-    if name not in obj:
-        raise InvalidRequest(f"missing field {name!r}", name)
-    value = obj[name]
-    # bool is an int in Python; never accept it where a number is meant.
-    if not isinstance(value, typ) or (isinstance(value, bool) and typ is int):
-        raise InvalidRequest(f"field {name!r} has the wrong type {type(value).__name__}", name)
-    return value
+_salvage = msgspec.msgpack.Decoder(_Salvage)
 
 
 def salvage_route(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, ReplyRoute] | None:
@@ -302,129 +315,41 @@ def salvage_route(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, Re
     if len(data) > limits.max_message_bytes:
         return None
     try:
-        obj = msgpack.unpackb(
-            data, raw=False, max_str_len=limits.max_text_chars * 4, max_array_len=limits.max_inputs * 4,
-            max_map_len=64, max_ext_len=0,
-        )
-        rid, route = obj["id"], ReplyRoute.from_wire(obj["reply"])
-    except Exception:
+        found = _salvage.decode(data)
+    except msgspec.MsgspecError:
         return None
-    return (rid, route) if isinstance(rid, str) and _ID_RE.match(rid) else None
+    return found.id, found.reply
 
 
-def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
-    """Unpack and validate a request; raises ``InvalidRequest`` naming the offending field."""
-    obj = _header(_unpack(data, limits, max_array=limits.max_inputs), "req")
-    rid = _field(obj, "id", str)
-    if not _ID_RE.match(rid):
-        raise InvalidRequest("id must be 1-64 characters of [A-Za-z0-9_-]", "id")
-    model = _field(obj, "model", str)
-    if not valid_model_name(model):
-        raise InvalidRequest(f"invalid model name {model!r}", "model")
+# Results come from our own workers, but a client still bounds what it decodes.
+MAX_REPLY_BYTES = 64 * 1_048_576
+
+_replies = msgspec.msgpack.Decoder(Result | Chunk | ReplyBatch)
+
+
+def decode_replies(data: bytes) -> list[Reply]:
+    """One reply message → its replies (one, or several for a ``batch``).
+
+    Raises ``MalformedRecord`` for anything else: a reply is not a request, and a bad one is our
+    (or a forger's) problem, not the caller's.
+    """
     try:
-        priority = Priority(_field(obj, "priority", int))
-    except ValueError as exc:
-        raise InvalidRequest("priority must be 0, 1 or 2", "priority") from exc
-    tenant = _field(obj, "tenant", str)
-    if not _TENANT_RE.match(tenant):
-        raise InvalidRequest("tenant must be 1-64 characters of [A-Za-z0-9_.-]", "tenant")
-    created_ms = _field(obj, "created_ms", int)
-    deadline_ms = _field(obj, "deadline_ms", int)
-    if created_ms <= 0 or deadline_ms <= created_ms:
-        raise InvalidRequest("need 0 < created_ms < deadline_ms", "deadline_ms")
-    inputs = _field(obj, "inputs", list)
-    if not 1 <= len(inputs) <= limits.max_inputs:
-        raise InvalidRequest(f"inputs must hold 1 to {limits.max_inputs} texts, got {len(inputs)}", "inputs")
-    for i, text in enumerate(inputs):
-        if not isinstance(text, str):
-            raise InvalidRequest(f"inputs[{i}] must be a string", "inputs")
-        if len(text) > limits.max_text_chars:
-            raise InvalidRequest(
-                f"inputs[{i}] has {len(text)} characters, over the limit of {limits.max_text_chars}", "inputs"
-            )
-    params = obj.get("params", {})
-    if not isinstance(params, dict) or len(params) > limits.max_params:
-        raise InvalidRequest(f"params must be a map of at most {limits.max_params} entries", "params")
-    for key, value in params.items():
-        if not isinstance(value, str | int | float | bool) and value is not None:
-            raise InvalidRequest(f"params[{key!r}] must be a scalar", "params")
-        if isinstance(value, str) and len(value) > limits.max_param_chars:
-            raise InvalidRequest(f"params[{key!r}] is longer than {limits.max_param_chars}", "params")
-    stream = obj.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("stream must be a boolean", "stream")
-    return Request(
-        id=rid,
-        model=model,
-        priority=priority,
-        tenant=tenant,
-        created_ms=created_ms,
-        deadline_ms=deadline_ms,
-        inputs=tuple(inputs),
-        reply=ReplyRoute.from_wire(_field(obj, "reply", dict)),
-        params=params,
-        stream=stream,
-    )
+        message = _decode(_replies, data, MAX_REPLY_BYTES)
+    except InvalidRequest as exc:
+        raise MalformedRecord(f"malformed reply: {exc}", "reply") from exc
+    return message.replies if isinstance(message, ReplyBatch) else [message]
 
 
-# Results come from our own workers, but a client still bounds what it unpacks.
-RESULT_LIMITS = Limits(max_message_bytes=64 * 1_048_576, max_text_chars=1_048_576)
+def decode_reply(data: bytes) -> Reply:
+    """Exactly one result or stream chunk."""
+    replies = decode_replies(data)
+    if len(replies) != 1:
+        raise MalformedRecord(f"expected one reply, got a batch of {len(replies)}", "reply")
+    return replies[0]
 
 
-def decode_result(data: bytes, limits: Limits = RESULT_LIMITS) -> Result:
-    return _result_from(_unpack(data, limits, max_array=1_048_576))
-
-
-def _result_from(obj: Any) -> Result:
-    obj = _header(obj, "res")
-    status_text = _field(obj, "status", str)
-    try:
-        status = Status(status_text)
-    except ValueError as exc:
-        raise InvalidRequest(f"unknown result status {status_text!r}", "status") from exc
-    t = obj.get("timings") or {}
-    timings = Timings(
-        queue_ms=float(t.get("queue_ms", 0.0)),
-        batch_wait_ms=float(t.get("batch_wait_ms", 0.0)),
-        compute_ms=float(t.get("compute_ms", 0.0)),
-        batch_size=int(t.get("batch_size", 0)),
-    )
-    return Result(
-        id=_field(obj, "id", str),
-        model=_field(obj, "model", str),
-        status=status,
-        outputs=list(obj.get("outputs") or []),
-        error=obj.get("error"),
-        timings=timings,
-        worker=str(obj.get("worker", "")),
-    )
-
-
-def decode_chunk(obj: dict[str, Any]) -> Chunk:
-    status = obj.get("status")
-    usage = obj.get("usage") or {}
-    try:
-        return Chunk(
-            id=_field(obj, "id", str),
-            model=_field(obj, "model", str),
-            seq=_field(obj, "seq", int),
-            text=str(obj.get("text") or ""),
-            tokens=[int(t) for t in obj.get("tokens") or []],
-            final=bool(obj.get("final", False)),
-            status=Status(status) if status is not None else None,
-            finish=obj.get("finish"),
-            prompt_tokens=int(usage.get("prompt_tokens", 0)),
-            completion_tokens=int(usage.get("completion_tokens", 0)),
-            error=obj.get("error"),
-            worker=str(obj.get("worker", "")),
-        )
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"malformed stream chunk: {exc}", "chunk") from exc
-
-
-def decode_reply(data: bytes, limits: Limits = RESULT_LIMITS) -> Result | Chunk:
-    """A reply is a result or a stream chunk; tell them apart by ``t``."""
-    obj = _unpack(data, limits, max_array=1_048_576)
-    if isinstance(obj, dict) and obj.get("t") == "chunk":
-        return decode_chunk(_header(obj, "chunk"))
-    return _result_from(obj)
+def decode_result(data: bytes) -> Result:
+    reply = decode_reply(data)
+    if not isinstance(reply, Result):
+        raise MalformedRecord("expected a result, got a stream chunk", "reply")
+    return reply

@@ -8,7 +8,9 @@
     ├── Shed                     accepted, then dropped by the worker under overload
     ├── DeadlineExceeded         the deadline passed before a result was produced
     ├── ModelError               the model raised while computing this request
-    └── Unavailable              Kafka or Redis could not be reached
+    ├── Unavailable              Kafka or Redis could not be reached
+    └── MalformedRecord          a record of our own kinds (reply, health, stats) that does not decode:
+                                 a bug or a forgery, dropped and counted, never the caller's fault
 
 The worker reports outcomes as a result ``status`` (see ``topics.envelope.Status``);
 ``Result.raise_for_status()`` turns a non-ok result into the matching exception on the client side.
@@ -73,3 +75,11 @@ class Unavailable(KinferError):
     """A dependency (Kafka, Redis) is unreachable."""
 
     retriable = True
+
+
+class MalformedRecord(KinferError):
+    """A reply, health state or stats record that breaks its definition; ``field`` names the part."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

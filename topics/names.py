@@ -21,8 +21,10 @@ CANCEL_CHANNEL = "kinfer:cancel"  # Redis pub/sub: {"id", "model"} of streams wh
 
 # Model names end up inside topic names, so they use a conservative subset of Kafka's alphabet
 # (no '.', which separates the parts of a topic name).
-_MODEL_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-_ROUTE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+MODEL_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+ROUTE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+_MODEL_RE = re.compile(MODEL_PATTERN)
+_ROUTE_RE = re.compile(ROUTE_PATTERN)
 
 
 class Priority(enum.IntEnum):

@@ -22,7 +22,6 @@ from topics import (
     Priority,
     ReplyRoute,
     Request,
-    RouteKind,
     Status,
     decode_result,
     now_ms,
@@ -63,7 +62,7 @@ async def test_bad_records_go_to_the_dead_letter_topic_and_the_worker_keeps_answ
     channel = f"kinfer:reply:test-{uuid.uuid4().hex[:8]}"
     over_limit = Request(
         id="too-big", model=topics, priority=Priority.P1, tenant="tests", created_ms=now_ms(),
-        deadline_ms=now_ms() + 30_000, inputs=("x" * 20_000,), reply=ReplyRoute(RouteKind.REDIS, channel),
+        deadline_ms=now_ms() + 30_000, inputs=("x" * 20_000,), reply=ReplyRoute.channel(channel),
     )
     async with aioredis.Redis.from_url(stack.redis_url) as r, r.pubsub() as sub:
         await sub.subscribe(channel)

@@ -14,7 +14,6 @@ from topics import (
     ReplyRoute,
     Request,
     Result,
-    RouteKind,
     Shed,
     Status,
     Timings,
@@ -34,7 +33,7 @@ def make_request(**overrides: object) -> Request:
         "created_ms": 1_700_000_000_000,
         "deadline_ms": 1_700_000_001_000,
         "inputs": ("hello world",),
-        "reply": ReplyRoute(RouteKind.REDIS, "kinfer:reply:abc"),
+        "reply": ReplyRoute.channel("kinfer:reply:abc"),
         "params": {"normalize": True},
     }
     fields.update(overrides)
@@ -42,7 +41,7 @@ def make_request(**overrides: object) -> Request:
 
 
 def wire(**overrides: object) -> bytes:
-    obj = make_request().to_wire()
+    obj = msgpack.unpackb(pack(make_request()))
     for key, value in overrides.items():
         if value is KeyError:
             del obj[key]
@@ -130,7 +129,7 @@ def test_garbage_is_invalid_not_a_crash(data: bytes) -> None:
 
 def test_salvage_route_of_an_invalid_request() -> None:
     data = wire(inputs=[])
-    assert salvage_route(data) == ("req-1", ReplyRoute(RouteKind.REDIS, "kinfer:reply:abc"))
+    assert salvage_route(data) == ("req-1", ReplyRoute.channel("kinfer:reply:abc"))
     assert salvage_route(b"garbage") is None
     assert salvage_route(wire(reply=KeyError)) is None
 

@@ -1,0 +1,415 @@
+"""Engine cores: one per hosted model, synchronous, no I/O, no threads, no clock of their own.
+
+A core is the whole decision state of one model in a worker (in the spirit of vLLM v1's engine
+core and TGI's ``State::next_batch``). The worker shell feeds it and moves bytes; the core decides,
+and says everything it decided as values:
+
+    admit(job, now)              queue a decoded request (False: a copy of one in progress, which
+                                   answers for both), or raise ``InvalidRequest``
+    shed(now, free_at)           → replies for what it refuses now (expired, cannot make it, CoDel)
+    next(now, max_s)             → ``Plan``: work for the executor (or None), and replies that are
+                                   due before it (generation: sequences leaving the batch)
+    complete(work, outcome)      → replies for what the work produced (or its failure)
+    revoke(partitions)           drop everything from partitions this worker lost, without replies:
+                                   the partitions' new owner answers them
+    cancel(request_id)           a streaming client went away (generation)
+
+Every admitted request leaves a core exactly once, as a terminal reply (``Outgoing.terminal``) or
+through ``revoke``. Facts worth counting go to an ``Observer`` (see ``consumers.observer``) once,
+where they are decided.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from batcher import (
+    Batch,
+    BatchPolicy,
+    ContinuousScheduler,
+    DynamicBatcher,
+    Finish,
+    GenPolicy,
+    Reason,
+    Sequence,
+)
+from consumers.observer import BatchFacts, Observer, StepFacts
+from consumers.runners import BatchRunner, ModelSpec, Runner
+from consumers.runners.generator import GeneratorRunner, GenInput, Sampling, TokenEvent
+from topics import Chunk, InvalidRequest, Request, Result, Status, Timings, Usage
+
+
+@dataclass(slots=True)
+class Job:
+    """A fetched, valid request and where it came from."""
+
+    request: Request
+    partition: Hashable  # the Kafka partition it was read from (opaque here)
+    offset: int
+    queue_ms: float  # Kafka record timestamp → fetched
+    fetched: float  # monotonic seconds
+    deadline: float  # monotonic seconds: the request's wall-clock deadline on the local clock
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A reply to publish. ``terminal``: the request is done once it is out (its offset may commit)."""
+
+    job: Job
+    message: Result | Chunk
+    terminal: bool = True
+
+
+@dataclass(slots=True)
+class Work:
+    """One call for the executor thread: a batch's forward pass or a generation step."""
+
+    call: Callable[[], Any]  # blocking: runs off the event loop
+    predicted_s: float  # how long it should take (when the executor is free again)
+    state: Any = None  # the core's own record of what it started
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the executor made of a ``Work``."""
+
+    value: Any  # the call's return value (None when it raised)
+    error: BaseException | None
+    started: float  # monotonic seconds
+    took_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    work: Work | None
+    replies: list[Outgoing] = field(default_factory=list)
+
+
+_SHED_STATUS = {Reason.EXPIRED: Status.EXPIRED, Reason.DEADLINE: Status.EXPIRED, Reason.CODEL: Status.SHED}
+_SHED_TEXT = {
+    Reason.EXPIRED: "deadline passed while queued",
+    Reason.DEADLINE: "cannot finish by its deadline (predicted queue + compute)",
+    Reason.CODEL: "shed under overload (standing queue), lowest priority first",
+}
+
+
+class EngineCore(abc.ABC):
+    """What the worker shell needs of a model, whatever its family."""
+
+    cancellable = False  # whether ``cancel`` can do anything (streams)
+
+    def __init__(self, spec: ModelSpec, worker_id: str, observer: Observer) -> None:
+        self.spec = spec
+        self.worker_id = worker_id
+        self.observer = observer
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    @abc.abstractmethod
+    def runner(self) -> Runner: ...
+
+    @abc.abstractmethod
+    def admit(self, job: Job, now: float) -> bool:
+        """Queue a decoded request; raises ``InvalidRequest`` for what this model cannot take.
+
+        False: a request with the same id is in progress here (a redelivered copy); the one in
+        progress answers the id, this copy needs no reply of its own.
+        """
+
+    def shed(self, now: float, free_at: float) -> list[Outgoing]:
+        """Refuse now what cannot be served in time; ``free_at``: when the executor is free."""
+        return []
+
+    @abc.abstractmethod
+    def next(self, now: float, max_s: float | None = None) -> Plan:
+        """The next work to run (``max_s``: a co-located neighbour waits, stay within it)."""
+
+    @abc.abstractmethod
+    def complete(self, work: Work, outcome: Outcome) -> list[Outgoing]:
+        """Replies for what ``work`` produced."""
+
+    @abc.abstractmethod
+    def revoke(self, partitions: set[Any]) -> int:
+        """Forget every request from ``partitions`` (no replies); returns how many."""
+
+    def cancel(self, request_id: str) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def buffered(self) -> int:
+        """Work fetched and not started (inputs or requests): what flow control bounds."""
+
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """Anything to run or to answer."""
+
+    def wake_at(self, now: float, idle: bool) -> float | None:
+        """When a decision could change with no new event (None: only events matter)."""
+        return None
+
+    def _result(self, job: Job, status: Status, *, outputs: list[Any] | None = None, error: str | None = None,
+                timings: Timings | None = None) -> Result:
+        return Result(id=job.request.id, model=self.name, status=status, outputs=outputs or [], error=error,
+                      timings=timings or Timings(queue_ms=job.queue_ms), worker=self.worker_id)
+
+
+# -- one-shot families (embedding, classification) ----------------------------------------------
+
+
+class BatchCore(EngineCore):
+    """Requests wait in a ``DynamicBatcher`` and run in batches; each gets one result."""
+
+    def __init__(self, spec: ModelSpec, runner: BatchRunner, policy: BatchPolicy, worker_id: str,
+                 observer: Observer) -> None:
+        super().__init__(spec, worker_id, observer)
+        self._runner = runner
+        self.batcher: DynamicBatcher[Job] = DynamicBatcher(policy)
+
+    @property
+    def runner(self) -> Runner:
+        return self._runner
+
+    def admit(self, job: Job, now: float) -> bool:
+        request = job.request
+        if request.stream:
+            raise InvalidRequest(f"model {self.name!r} ({self.spec.family}) does not stream", "stream")
+        count = self._runner.count_tokens
+        self.batcher.add(
+            job, priority=int(request.priority), size=len(request.inputs),
+            longest=max(count(t) for t in request.inputs), deadline=job.deadline, now=now,
+            enqueued=now - job.queue_ms / 1000.0,
+        )
+        return True  # a copy is computed again: replies are idempotent by id, and a batch is cheap
+
+    def shed(self, now: float, free_at: float) -> list[Outgoing]:
+        dropped = self.batcher.shed(now, free_at=free_at)
+        self.observer.codel(self.name, self.batcher.shedding)
+        replies = []
+        for d in dropped:
+            job = d.pending.payload
+            self.observer.shed(self.name, job.request.priority, d.reason.value)
+            replies.append(Outgoing(job, self._result(job, _SHED_STATUS[d.reason], error=_SHED_TEXT[d.reason])))
+        return replies
+
+    def next(self, now: float, max_s: float | None = None) -> Plan:
+        # The executor is free whenever the shell asks (one batch at a time): work-conserving.
+        batch = self.batcher.next_batch(now, idle=True, max_batch_s=max_s)
+        if batch is None:
+            return Plan(None)
+        texts = [t for job in batch.payloads for t in job.request.inputs]
+        return Plan(Work(partial(self._runner.run, texts), batch.predicted_s, batch))
+
+    def complete(self, work: Work, outcome: Outcome) -> list[Outgoing]:
+        batch: Batch[Job] = work.state
+        jobs = batch.payloads
+        took = outcome.took_s
+        self.batcher.observe(batch, took)
+        error = None if outcome.error is None else f"{type(outcome.error).__name__}: {outcome.error}"
+        size = batch.size
+        self.observer.batch(self.name, BatchFacts(
+            size=size, requests=len(jobs), tokens=batch.real_tokens, compute_s=took, predicted_s=batch.predicted_s,
+            padding_ratio=batch.padding_ratio, errors=len(jobs) if error is not None else 0,
+            waits=[(p.payload.request.priority, outcome.started - p.arrival) for p in batch.items],
+        ))
+        outputs: list[Any] = outcome.value if error is None else []
+        replies, i = [], 0
+        compute_ms = took * 1000.0
+        for job in jobs:
+            n = len(job.request.inputs)
+            timings = Timings(job.queue_ms, (outcome.started - job.fetched) * 1000.0, compute_ms, size)
+            if error is None:
+                result = self._result(job, Status.OK, outputs=outputs[i : i + n], timings=timings)
+            else:
+                result = self._result(job, Status.ERROR, error=error, timings=timings)
+            replies.append(Outgoing(job, result))
+            i += n
+        return replies
+
+    def revoke(self, partitions: set[Any]) -> int:
+        return len(self.batcher.remove(lambda p: p.payload.partition in partitions))
+
+    def buffered(self) -> int:
+        return self.batcher.pending_inputs
+
+    def has_work(self) -> bool:
+        return bool(self.batcher)
+
+    def wake_at(self, now: float, idle: bool) -> float | None:
+        return self.batcher.wake_at(now, idle=idle)
+
+
+# -- generation ---------------------------------------------------------------------------------
+
+
+_FINISH_STATUS = {
+    Finish.DEADLINE: Status.EXPIRED,
+    Finish.CANCELLED: Status.OK,  # the client asked for it; nobody is listening any more
+    Finish.TOO_LARGE: Status.INVALID,
+}
+
+
+@dataclass(slots=True)
+class _Running:
+    """What the core keeps per admitted generation request."""
+
+    job: Job
+    prompt: GenInput | None  # until it is handed to the runner
+    text: list[str] = field(default_factory=list)  # not streamed: the text so far
+    seq: int = 0  # streamed: the next chunk number
+    usage: Usage = field(default_factory=Usage)  # tokens so far (prompt, generated)
+    revoked: bool = False  # its partition moved: stop without a reply
+
+
+class GenCore(EngineCore):
+    """Continuous batching: a ``ContinuousScheduler`` decides who joins and leaves at every step; the
+    runner keeps the batch itself (KV caches included)."""
+
+    cancellable = True
+
+    def __init__(self, spec: ModelSpec, runner: GeneratorRunner, policy: GenPolicy, worker_id: str,
+                 observer: Observer) -> None:
+        super().__init__(spec, worker_id, observer)
+        self._runner = runner
+        self.scheduler = ContinuousScheduler(policy)
+        self._seqs: dict[str, _Running] = {}
+        self._drops: list[str] = []  # evicted, still to be removed from the runner's batch
+        self._spec_seen = (0, 0)  # speculation counters already reported (proposed, accepted)
+        self.step_s = 0.0  # smoothed duration of a step: when a co-located lane's batch could start
+
+    @property
+    def runner(self) -> Runner:
+        return self._runner
+
+    def admit(self, job: Job, now: float) -> bool:
+        request = job.request
+        if len(request.inputs) != 1:
+            raise InvalidRequest("generation takes exactly one prompt in inputs", "inputs")
+        if request.id in self._seqs:
+            return False
+        try:
+            sampling = Sampling.from_params(request.params)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"bad sampling parameters: {exc}", "params") from exc
+        prompt = request.inputs[0]
+        # An estimate that errs high (WordPiece/BPE average 3-4 characters a token): it only
+        # reserves KV memory; the prompt itself is truncated to the runner's limit, never cut here.
+        prompt_tokens = min(self._runner.max_prompt_tokens, len(prompt) // 3 + 2)
+        self.scheduler.add(Sequence(
+            request.id, prompt_tokens=prompt_tokens, max_new_tokens=sampling.max_new_tokens,
+            priority=int(request.priority), arrival=now, deadline=job.deadline,
+        ))
+        self._seqs[request.id] = _Running(job, GenInput(request.id, prompt, sampling))
+        return True
+
+    def next(self, now: float, max_s: float | None = None) -> Plan:
+        plan = self.scheduler.schedule(now)
+        replies = [r for s, why in plan.evict if (r := self._ended(s.id, why)) is not None]
+        self._drops += [s.id for s, _ in plan.evict]  # until the runner has dropped them
+        self.observer.generation(self.name, len(self.scheduler.running), self.scheduler.kv_reserved)
+        if not (plan.admit or plan.decode or self._drops):
+            return Plan(None, replies)
+        admit = [self._take_prompt(s.id) for s in plan.admit]
+        drops, self._drops = self._drops, []
+        return Plan(Work(partial(self._runner.step, admit, drops), self.step_s, len(admit)), replies)
+
+    def _take_prompt(self, rid: str) -> GenInput:
+        running = self._seqs[rid]
+        prompt, running.prompt = running.prompt, None
+        assert prompt is not None
+        return prompt
+
+    def complete(self, work: Work, outcome: Outcome) -> list[Outgoing]:
+        if outcome.error is not None:
+            # The runner's batch is in an unknown state: let the worker die and its requests be redelivered.
+            raise outcome.error
+        events: list[TokenEvent] = outcome.value
+        took = outcome.took_s
+        self.step_s = took if self.step_s == 0 else self.step_s + 0.2 * (took - self.step_s)
+        runner = self._runner
+        proposed, accepted = runner.spec_proposed, runner.spec_accepted
+        batch = runner.batch
+        self.observer.step(self.name, StepFacts(
+            running=len(self.scheduler.running), admitted=work.state, tokens=len(events), compute_s=took,
+            kv_padding=(1.0 - batch.real_tokens / batch.cache_tokens) if batch is not None and batch.cache_tokens
+            else None,
+            spec_proposed=proposed - self._spec_seen[0], spec_accepted=accepted - self._spec_seen[1],
+        ))
+        self._spec_seen = (proposed, accepted)
+        replies = self._apply(events)
+        self.observer.generation(self.name, len(self.scheduler.running), self.scheduler.kv_reserved)
+        return replies
+
+    def _apply(self, events: list[TokenEvent]) -> list[Outgoing]:
+        replies: list[Outgoing] = []
+        for e in events:
+            running = self._seqs[e.id]
+            running.usage = Usage(e.prompt_tokens, e.generated)
+            self.scheduler.advance(e.id)
+            done = e.finish is not None
+            if done:
+                self.scheduler.finish(e.id)
+                del self._seqs[e.id]
+            if running.revoked:
+                continue
+            job = running.job
+            if job.request.stream:
+                chunk = Chunk(id=e.id, model=self.name, seq=running.seq, text=e.text, tokens=[e.token], final=done,
+                              status=Status.OK if done else None, finish=e.finish, usage=running.usage,
+                              worker=self.worker_id)
+                running.seq += 1
+                replies.append(Outgoing(job, chunk, terminal=done))
+            else:
+                running.text.append(e.text)
+                if done:
+                    output = {"text": "".join(running.text), "finish": e.finish,
+                              "prompt_tokens": e.prompt_tokens, "completion_tokens": e.generated}
+                    replies.append(Outgoing(job, self._result(job, Status.OK, outputs=[output])))
+        return replies
+
+    def _ended(self, rid: str, why: Finish) -> Outgoing | None:
+        """The final reply of a sequence leaving before it finished (None: revoked, nobody to tell)."""
+        running = self._seqs.pop(rid)
+        if running.revoked:
+            return None
+        job = running.job
+        status = _FINISH_STATUS.get(why, Status.ERROR)
+        if why is Finish.DEADLINE:
+            self.observer.shed(self.name, job.request.priority, Reason.DEADLINE.value)
+        if why is Finish.CANCELLED:
+            self.observer.cancelled(self.name)
+        error = f"generation ended: {why.value}"
+        if job.request.stream and running.seq > 0:  # it has streamed: end the stream in band
+            return Outgoing(job, Chunk(id=rid, model=self.name, seq=running.seq, final=True, status=status,
+                                       finish=why.value, usage=running.usage, error=error, worker=self.worker_id))
+        return Outgoing(job, self._result(job, status, error=error))
+
+    def cancel(self, request_id: str) -> bool:
+        return self.scheduler.cancel(request_id)
+
+    def revoke(self, partitions: set[Any]) -> int:
+        gone = [r for r in self._seqs.values() if r.job.partition in partitions and not r.revoked]
+        for running in gone:
+            running.revoked = True
+            self.scheduler.cancel(running.job.request.id)  # leaves at the next step, silently
+        return len(gone)
+
+    def buffered(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._drops)
+
+
+def build_core(spec: ModelSpec, runner: Runner, *, policy: BatchPolicy, gen_policy: GenPolicy, worker_id: str,
+               observer: Observer) -> EngineCore:
+    """The core for a runner's family."""
+    if isinstance(runner, GeneratorRunner):
+        return GenCore(spec, runner, gen_policy, worker_id, observer)
+    return BatchCore(spec, runner, policy, worker_id, observer)  # type: ignore[arg-type]
