@@ -47,6 +47,7 @@ Service times come from an online ``ServiceTimeModel`` fed by ``observe``.
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -161,6 +162,14 @@ class DynamicBatcher(Generic[T]):
         self.policy = policy
         self.service = service or ServiceTimeModel()
         self._items: dict[int, Pending[T]] = {}  # by seq; dicts keep arrival order
+        # Heaps of (deadline, seq) and (enqueued, seq) over the queue, pruned lazily: the decisions
+        # made on every event (shed, wake_at, CoDel's sojourn) look at the few requests near the
+        # front, not at the whole queue — a backlog must not make each event slower.
+        self._deadlines: list[tuple[float, int]] = []
+        self._enqueued: list[tuple[float, int]] = []
+        # The largest request (padded tokens, inputs) queued since the queue was last empty: with
+        # it, no queued request can cost more alone than ``_alone_bound()``.
+        self._largest = (1, 1)
         self._seq = itertools.count()
         self._inputs = 0
         self._inputs_by_priority = [0] * policy.levels
@@ -199,6 +208,9 @@ class DynamicBatcher(Generic[T]):
         p = Pending(payload, priority, now, min(now, enqueued if enqueued is not None else now), deadline, size,
                     longest, next(self._seq))
         self._items[p.seq] = p
+        heapq.heappush(self._deadlines, (p.deadline, p.seq))
+        heapq.heappush(self._enqueued, (p.enqueued, p.seq))
+        self._largest = (max(self._largest[0], size * longest), max(self._largest[1], size))
         self._account(p, +1)
         return p
 
@@ -222,7 +234,8 @@ class DynamicBatcher(Generic[T]):
         """
         start = now if free_at is None else max(now, free_at)
         dropped: list[Dropped[T]] = []
-        for p in list(self._items.values()):
+        # Only a request whose deadline is within the largest alone-cost of ``start`` can miss it.
+        for p in sorted(self._near_deadline(start + self._alone_bound()), key=lambda p: p.seq):
             if p.deadline <= now:
                 dropped.append(Dropped(p, Reason.EXPIRED))
             elif start + self.predict([p]) > p.deadline:
@@ -282,7 +295,9 @@ class DynamicBatcher(Generic[T]):
         if (self.policy.mode == "window" and idle) or (pipelined and not idle):
             times.append(min(p.arrival for p in self._items.values()) + self._max_wait_s)
         # The moment a queued request can no longer make its deadline: refuse it then, not later.
-        times.append(min(p.deadline - self.predict([p]) for p in self._items.values()))
+        # Only requests within the largest alone-cost of the earliest deadline can be the first.
+        first = self._live_root(self._deadlines)[0]
+        times.append(min(p.deadline - self.predict([p]) for p in self._near_deadline(first + self._alone_bound())))
         drop_at = self._codel.next_drop_at()
         if drop_at is not None:
             times.append(drop_at)
@@ -346,7 +361,29 @@ class DynamicBatcher(Generic[T]):
     def _standing(self, now: float) -> float:
         if not self._items:
             return 0.0
-        return now - min(p.enqueued for p in self._items.values())
+        return now - self._live_root(self._enqueued)[0]
+
+    def _live_root(self, heap: list[tuple[float, int]]) -> tuple[float, int]:
+        """The smallest entry of ``heap`` that is still queued (the queue is not empty)."""
+        while heap[0][1] not in self._items:
+            heapq.heappop(heap)
+        return heap[0]
+
+    def _near_deadline(self, limit: float) -> Iterator[Pending[T]]:
+        """Queued requests with a deadline at or before ``limit``: the heap's top, walked in place."""
+        heap, items, stack = self._deadlines, self._items, [0]
+        while stack:
+            i = stack.pop()
+            if i < len(heap) and heap[i][0] <= limit:
+                p = items.get(heap[i][1])
+                if p is not None:
+                    yield p
+                stack += (2 * i + 1, 2 * i + 2)
+
+    def _alone_bound(self) -> float:
+        """No queued request costs more alone than this (the cost model is linear: check the corners)."""
+        tokens, size = self._largest
+        return max(self.service.predict(t, n) for t in (1, tokens) for n in (1, size))
 
     def _codel_victim(self) -> Pending[T] | None:
         candidates = [p for p in self._items.values() if p.priority >= self.policy.codel_min_priority]
@@ -357,6 +394,15 @@ class DynamicBatcher(Generic[T]):
     def _take(self, p: Pending[T]) -> None:
         del self._items[p.seq]
         self._account(p, -1)
+        if not self._items:
+            self._deadlines.clear()
+            self._enqueued.clear()
+            self._largest = (1, 1)
+        elif len(self._deadlines) > 4 * len(self._items) + 64:  # mostly entries of requests gone
+            self._deadlines = [(q.deadline, q.seq) for q in self._items.values()]
+            self._enqueued = [(q.enqueued, q.seq) for q in self._items.values()]
+            heapq.heapify(self._deadlines)
+            heapq.heapify(self._enqueued)
 
     def _account(self, p: Pending[T], sign: int) -> None:
         self._inputs += sign * p.size

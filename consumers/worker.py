@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -178,6 +179,11 @@ class Worker:
             await loop.run_in_executor(self._executor, runner.warmup)
         if s.metrics_port is not None:
             start_http_server(s.metrics_port, addr=s.metrics_host)
+        # Everything loaded so far (torch, the model, the tokenizer: ~200k objects) lives as long as
+        # the process. Frozen, the cyclic GC stops rescanning it: a full collection went from ~130 ms
+        # (a pause every few seconds under load, straight into p99) to the few objects of the hot path.
+        gc.collect()
+        gc.freeze()
 
         producer = AIOKafkaProducer(bootstrap_servers=s.bootstrap, acks="all", enable_idempotence=True, linger_ms=1)
         redis = aioredis.Redis.from_url(s.redis_url)

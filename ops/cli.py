@@ -154,7 +154,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if tenants is None:
         logging.getLogger(__name__).warning("no --tenants file: the gateway accepts every caller")
     app = create_app(GatewaySettings(bootstrap, redis_url, tenants))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    loop = os.environ.get("KINFER_GATEWAY_LOOP", "asyncio")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop)
     return 0
 
 

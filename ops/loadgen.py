@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import sys
@@ -195,7 +196,8 @@ async def serve(args: argparse.Namespace) -> None:
                 result = await client.infer(args.model, [SENTENCE], deadline_ms=args.deadline_ms)
                 return result.status.value
 
-            await _commands(reader, one, lambda: {"duplicates": client.duplicate_replies})
+            await _commands(reader, one, lambda: {"duplicates": client.duplicate_replies,
+                                                       "replies_by_source": client.replies_received})
     else:
         host, port = args.url.removeprefix("http://").rsplit(":", 1)
         pool = HttpPool(host, int(port), args.connections)
@@ -214,6 +216,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 async def _commands(reader: asyncio.StreamReader, one: Callable[[], Awaitable[str]],
                     extra: Callable[[], dict[str, Any]]) -> None:
+    gc.collect()
+    gc.freeze()  # as the worker and the gateway do: the generator's own GC pauses stay out of what it measures
     print(json.dumps({"ready": True}), flush=True)
     while line := await reader.readline():
         cmd = json.loads(line)

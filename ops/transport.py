@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ops.bench import SLA_P95_MS, SLA_P99_MS
-from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
+from ops.procs import scrape, spawn, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
@@ -78,13 +78,27 @@ class _LoadGen:
         self._log.close()
 
 
-def _sweep(gen: _LoadGen, pids: dict[str, int], rates: tuple[float, ...], seconds: float) -> dict[str, Any]:
+def _worker_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Means over a step from the worker's Prometheus histograms: where a request's time went."""
+    def mean(name: str, scale: float = 1.0) -> float | None:
+        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+        return round(total / n * scale, 2) if n else None
+
+    return {"mean_batch": mean("kinfer_batch_size"), "queue_wait_ms": mean("kinfer_queue_wait_seconds", 1000.0),
+            "batch_wait_ms": mean("kinfer_batch_wait_seconds", 1000.0)}
+
+
+def _sweep(gen: _LoadGen, pids: dict[str, int], rates: tuple[float, ...], seconds: float,
+           metrics_port: int) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     for i, rate in enumerate(rates):
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        scraped = scrape(metrics_port)
         out = gen.step(rate, seconds, seed=i + 1)
         spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+        out["worker"] = _worker_means(scraped, scrape(metrics_port))
         answered = max(1, out["ok"] + sum(n for k, n in out["errors"].items() if k != "lost"))
         cpu = {name: round(s * 1000.0 / answered, 4) for name, s in spent.items()}
         cpu["total"] = round(sum(cpu.values()), 4)
@@ -95,7 +109,8 @@ def _sweep(gen: _LoadGen, pids: dict[str, int], rates: tuple[float, ...], second
                 "meets_sla": meets}
         steps.append(step)
         print(f"  {rate:7.0f}/s ok={out['ok_fraction']:.4f} p50={out['p50_ms']} p95={p95} p99={p99} "
-              f"cpu/req={cpu} {'pass' if meets else 'FAIL'}", file=sys.stderr, flush=True)
+              f"cpu/req={cpu} {'pass' if meets else 'FAIL'} {out['worker']}",
+              file=sys.stderr, flush=True)
         if not meets:
             break
         best = step
@@ -122,7 +137,8 @@ def bench_transport(
     worker = gateway = None
     try:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, partitions)]))
-        worker = spawn_worker(info, MODEL, "--family", "noop", *worker_args,
+        metrics_port = free_port()
+        worker = spawn_worker(info, MODEL, "--family", "noop", "--metrics-port", str(metrics_port), *worker_args,
                               log_path=os.path.join(home, "bench-transport-worker.log"))
         asyncio.run(_wait_served(info))
         base = {"worker": worker.pid, "broker": info.kafka_pid, "redis": info.redis_pid}
@@ -130,7 +146,7 @@ def bench_transport(
             print("library path", file=sys.stderr, flush=True)
             gen = _LoadGen(info, "library", os.path.join(home, "bench-transport-loadgen.log"))
             try:
-                report["library"] = _sweep(gen, {"client": gen.proc.pid, **base}, library_rates, seconds)
+                report["library"] = _sweep(gen, {"client": gen.proc.pid, **base}, library_rates, seconds, metrics_port)
             finally:
                 gen.close()
         if "http" in paths:
@@ -143,7 +159,7 @@ def bench_transport(
             gen = _LoadGen(info, "http", os.path.join(home, "bench-transport-loadgen.log"), url=url)
             try:
                 pids = {"client": gen.proc.pid, "gateway": gateway.pid, **base}
-                report["http"] = _sweep(gen, pids, http_rates, seconds)
+                report["http"] = _sweep(gen, pids, http_rates, seconds, metrics_port)
             finally:
                 gen.close()
     finally:

@@ -339,3 +339,38 @@ def test_service_model_never_predicts_below_what_it_has_seen(obs: list[tuple[int
         model.observe(tokens, inputs, seconds)
     floor = min(s for _, _, s in obs)
     assert all(model.predict(t, i) >= floor for t, i, _ in obs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 8), st.integers(1, 400), st.floats(0.0, 2.0), st.floats(0.0, 1.0)),
+        min_size=1, max_size=60,
+    ),
+    observed=st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 32), st.floats(0.0, 0.5)), max_size=6),
+    takes=st.integers(0, 3),
+    at=st.floats(0.0, 2.5),
+    busy_for=st.floats(0.0, 0.5),
+)
+def test_shed_and_wake_at_look_only_near_the_front_yet_agree_with_a_full_scan(
+    requests: list[tuple[int, int, float, float]], observed: list[tuple[int, int, float]], takes: int, at: float,
+    busy_for: float,
+) -> None:
+    """The heap-based shortcuts decide exactly what a scan of the whole queue would."""
+    b = make_batcher(ServicePrior(fixed_s=0.01, per_token_s=0.0001, per_input_s=0.001), codel_target_ms=math.inf,
+                     max_batch_size=4)
+    for tokens, size, seconds in observed:
+        b.service.observe(tokens, size, seconds)
+    for i, (size, longest, deadline, arrival) in enumerate(sorted(requests, key=lambda r: r[3])):
+        add(b, f"r{i}", now=arrival, size=size, longest=longest, deadline=deadline)
+    for _ in range(takes):  # some leave in batches, so the heaps hold stale entries
+        b.next_batch(1.0, idle=True)
+    queued = list(b)
+    if not queued:
+        return
+    now, free_at = 1.0 + at, 1.0 + at + busy_for
+    expected_wake = min(p.deadline - b.predict([p]) for p in queued)
+    assert b.wake_at(now, idle=True) == max(now, expected_wake)
+    expected = {p.payload for p in queued if p.deadline <= now or free_at + b.predict([p]) > p.deadline}
+    assert {d.pending.payload for d in b.shed(now, free_at=free_at)} == expected
+    assert {p.payload for p in b} == {p.payload for p in queued} - expected
