@@ -130,6 +130,13 @@ class ContinuousScheduler:
             return True
         return False
 
+    def resume(self, seq_id: str) -> bool:
+        """Undo a ``cancel`` that has not taken effect yet; False if there was none to undo."""
+        if seq_id in self._cancelled:
+            self._cancelled.discard(seq_id)
+            return True
+        return False
+
     # -- decisions ---------------------------------------------------------------------------
 
     def schedule(self, now: float) -> StepPlan:

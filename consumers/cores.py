@@ -38,8 +38,9 @@ from batcher import (
     Sequence,
 )
 from consumers.observer import BatchFacts, Observer, StepFacts
-from consumers.runners import BatchRunner, ModelSpec, Runner
-from consumers.runners.generator import GeneratorRunner, GenInput, Sampling, TokenEvent
+from consumers.runners.base import BatchRunner, Runner, StepRunner
+from consumers.runners.registry import ModelSpec
+from consumers.runners.sampling import GenInput, Sampling, TokenEvent
 from topics import Chunk, InvalidRequest, Request, Result, Status, Timings, Usage
 
 
@@ -210,8 +211,9 @@ class BatchCore(EngineCore):
         batch: Batch[Job] = work.state
         jobs = batch.payloads
         took = outcome.took_s
-        self.batcher.observe(batch, took)
         error = None if outcome.error is None else f"{type(outcome.error).__name__}: {outcome.error}"
+        if error is None:  # a call that failed at once says nothing about what a batch costs
+            self.batcher.observe(batch, took)
         size = batch.size
         self.observer.batch(self.name, BatchFacts(
             size=size, requests=len(jobs), tokens=batch.real_tokens, compute_s=took, predicted_s=batch.predicted_s,
@@ -273,7 +275,7 @@ class GenCore(EngineCore):
 
     cancellable = True
 
-    def __init__(self, spec: ModelSpec, runner: GeneratorRunner, policy: GenPolicy, worker_id: str,
+    def __init__(self, spec: ModelSpec, runner: StepRunner, policy: GenPolicy, worker_id: str,
                  observer: Observer) -> None:
         super().__init__(spec, worker_id, observer)
         self._runner = runner
@@ -291,7 +293,14 @@ class GenCore(EngineCore):
         request = job.request
         if len(request.inputs) != 1:
             raise InvalidRequest("generation takes exactly one prompt in inputs", "inputs")
-        if request.id in self._seqs:
+        running = self._seqs.get(request.id)
+        if running is not None:
+            # A revoked sequence lingers until the next step. When its request comes back (an eager
+            # rebalance handed the partition straight back), it carries on and answers under the new
+            # record; any other copy is answered by the one in progress.
+            if running.revoked and self.scheduler.resume(request.id):
+                running.revoked, running.job = False, job
+                return True
             return False
         try:
             sampling = Sampling.from_params(request.params)
@@ -410,6 +419,6 @@ class GenCore(EngineCore):
 def build_core(spec: ModelSpec, runner: Runner, *, policy: BatchPolicy, gen_policy: GenPolicy, worker_id: str,
                observer: Observer) -> EngineCore:
     """The core for a runner's family."""
-    if isinstance(runner, GeneratorRunner):
-        return GenCore(spec, runner, gen_policy, worker_id, observer)
+    if runner.family == "generator":
+        return GenCore(spec, runner, gen_policy, worker_id, observer)  # type: ignore[arg-type]
     return BatchCore(spec, runner, policy, worker_id, observer)  # type: ignore[arg-type]

@@ -43,10 +43,12 @@ from prometheus_client import start_http_server
 
 from batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
 from consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
-from consumers.observer import Observers, PrometheusSink, StatsSink
+from consumers.observer import Observers
 from consumers.offsets import OffsetTracker
 from consumers.replies import Delivery, ReplySink
 from consumers.runners import ModelSpec, Runner, build_runner
+from consumers.runners.base import set_threads
+from consumers.sinks import PrometheusSink, StatsSink
 from consumers.telemetry import StatsReporter
 from topics import (
     DEFAULT_LIMITS,
@@ -83,6 +85,10 @@ class WorkerSettings:
     fair_quantum_ms: float = 50.0  # compute a model may use per turn; co-located, also the longest batch
     limits: Limits = DEFAULT_LIMITS
     device: str = "auto"  # "auto" picks CUDA when available
+    # Torch intra-op threads. None: the CPUs this process may run on (its affinity), less one for
+    # the worker's own event loop, shared by the ``workers_per_host`` workers on them.
+    threads: int | None = None
+    workers_per_host: int = 1
     max_buffered_inputs: int = 512  # fetched inputs held in memory per model before its partitions pause
     fetch_max_records: int = 500  # records per getmany()
     fetch_max_wait_ms: int = 50  # how long the broker holds a fetch that has no records yet
@@ -107,6 +113,10 @@ class WorkerSettings:
                 f"max_buffered_inputs ({self.max_buffered_inputs}) must be >= "
                 f"policy.max_batch_size ({self.policy.max_batch_size})"
             )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.workers_per_host < 1:
+            raise ValueError(f"workers_per_host must be >= 1, got {self.workers_per_host}")
         if self.commit_interval_ms < 0:
             raise ValueError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms}")
         unknown = set(self.weights) - set(names)
@@ -172,6 +182,9 @@ class Worker:
     async def run(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
+        threads = set_threads(s.threads, s.workers_per_host)
+        if threads is not None:
+            log.info("torch uses %d intra-op thread(s)", threads)
         for feed in self.feeds.values():
             runner = feed.core.runner
             log.info("loading model %s (%s) on %s", feed.name, feed.core.spec.family, runner.device)

@@ -103,6 +103,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         fair_quantum_ms=args.fair_quantum_ms,
+        commit_interval_ms=args.commit_interval_ms,
+        threads=args.threads,
+        workers_per_host=args.workers_per_host,
+        fetch_max_wait_ms=args.fetch_max_wait_ms,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
 
@@ -225,6 +229,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = bench_gateway(rate=args.rate, seconds=args.seconds, concurrency=args.concurrency)
     elif args.bench == "generation":
         report = bench_generation(requests=args.requests, rate=args.rate, max_running=args.max_running)
+    elif args.bench == "serve":
+        from ops.serve import bench_serve
+
+        report = bench_serve(model=args.model, alone_seconds=args.alone_seconds, seconds_per_step=args.seconds)
     elif args.bench == "transport":
         from ops.transport import bench_transport
 
@@ -293,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", help="name in replies and logs (default: host-pid)")
     w.add_argument("--fair-quantum-ms", type=float, default=50.0,
                    help="co-located models: compute per turn, and the longest batch one may run")
+    w.add_argument("--threads", type=int,
+                   help="torch intra-op threads (default: CPUs in this process's affinity - 1, / --workers-per-host)")
+    w.add_argument("--workers-per-host", type=int, default=1, help="workers sharing this host's CPUs")
+    w.add_argument("--commit-interval-ms", type=int, default=100,
+                   help="commits are coalesced: at most one round this often (a crash replays at most this much)")
+    w.add_argument("--fetch-max-wait-ms", type=int, default=50, help="how long the broker holds an empty fetch")
     w.add_argument("--metrics-port", type=int)
     w.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     w.add_argument("--create-topics", action="store_true", help="create the models' topics first")
@@ -368,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--rate", type=float, default=40.0, help="arrivals per second (Poisson; above capacity)")
     bg.add_argument("--max-running", type=int, default=16)
     bg.set_defaults(func=cmd_bench)
+    bv = bs.add_parser("serve", help="the model alone (best layout) vs kinfer through the gateway, same machine")
+    bv.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
+    bv.add_argument("--model", default="minilm")
+    bv.add_argument("--alone-seconds", type=float, default=8.0, help="per layout of the model alone")
+    bv.add_argument("--seconds", type=float, default=10.0, help="per rate step through the gateway")
+    bv.set_defaults(func=cmd_bench)
     bt = bs.add_parser("transport", help="the pipeline's own cost: max rate at the SLA and CPU per request per process")
     bt.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
     bt.add_argument("--seconds", type=float, default=10.0, help="per rate step")

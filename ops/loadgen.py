@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ops.load import percentile
+from ops.load import make_texts, percentile
 from producers import Client
 from topics import DeadlineExceeded, KinferError
 
@@ -189,11 +189,19 @@ async def serve(args: argparse.Namespace) -> None:
     reader = asyncio.StreamReader()
     loop = asyncio.get_running_loop()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    if args.texts:
+        low, high = (int(n) for n in args.texts.split(","))
+        texts = make_texts(2048, min_words=low, max_words=high, seed=13)
+    else:
+        texts = [SENTENCE]
     if args.mode == "library":
-        async with Client(args.bootstrap, args.redis_url, tenant="bench", admission=False) as client:
+        async with Client(args.bootstrap, args.redis_url, tenant="bench") as client:
+
+            turns = iter(range(1 << 62))
 
             async def one() -> str:
-                result = await client.infer(args.model, [SENTENCE], deadline_ms=args.deadline_ms)
+                text = texts[next(turns) % len(texts)]
+                result = await client.infer(args.model, [text], deadline_ms=args.deadline_ms)
                 return result.status.value
 
             await _commands(reader, one, lambda: {"duplicates": client.duplicate_replies,
@@ -201,11 +209,12 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         host, port = args.url.removeprefix("http://").rsplit(":", 1)
         pool = HttpPool(host, int(port), args.connections)
-        data = http_request(f"/v1/models/{args.model}/infer",
-                            {"inputs": [SENTENCE], "timeout_ms": args.deadline_ms})
+        bodies = [http_request(f"/v1/models/{args.model}/infer", {"inputs": [text], "timeout_ms": args.deadline_ms})
+                  for text in texts]
+        turn = iter(range(1 << 62))
 
         async def one_http() -> str:
-            status, body = await pool.post(data)
+            status, body = await pool.post(bodies[next(turn) % len(bodies)])
             return "ok" if status == 200 and b'"status":"ok"' in body else f"http_{status}"
 
         try:
@@ -234,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="", help="the gateway, http://host:port (--mode http)")
     p.add_argument("--connections", type=int, default=256, help="keep-alive connections at most (--mode http)")
     p.add_argument("--deadline-ms", type=int, default=5_000)
+    p.add_argument("--texts", help="MIN,MAX: texts of that many words (default: one short sentence)")
     args = p.parse_args(argv)
     asyncio.run(serve(args))
     return 0

@@ -43,10 +43,11 @@ def cpu_seconds(pid: int) -> float:
 class _LoadGen:
     """The load generator process and its line protocol (see ``ops.loadgen``)."""
 
-    def __init__(self, info: StackInfo, mode: str, log_path: str, url: str = "") -> None:
+    def __init__(self, info: StackInfo, mode: str, log_path: str, url: str = "", model: str = MODEL,
+                 extra: list[str] | None = None) -> None:
         env = {**os.environ, **info.env()}
-        cmd = [sys.executable, "-m", "ops.loadgen", "--mode", mode, "--model", MODEL,
-               "--bootstrap", info.bootstrap, "--redis-url", info.redis_url, "--url", url]
+        cmd = [sys.executable, "-m", "ops.loadgen", "--mode", mode, "--model", model,
+               "--bootstrap", info.bootstrap, "--redis-url", info.redis_url, "--url", url, *(extra or [])]
         self._log = open(log_path, "ab")  # noqa: SIM115 — closed in close()
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True)
@@ -171,9 +172,9 @@ def bench_transport(
     return report
 
 
-async def _wait_served(info: StackInfo) -> None:
+async def _wait_served(info: StackInfo, model: str = MODEL) -> None:
     async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
-        await wait_until_served(client, MODEL)
+        await wait_until_served(client, model)
 
 
 def _wait_http(url: str, timeout_s: float = 60.0) -> None:

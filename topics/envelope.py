@@ -262,7 +262,9 @@ def _decode(decoder: msgspec.msgpack.Decoder[M], data: bytes, max_bytes: int) ->
     try:
         return decoder.decode(data)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(str(exc), _field_of(exc)) from exc
+        field = _field_of(exc)
+        text = f"not a valid msgpack envelope: {exc}" if field == "message" else str(exc)
+        raise InvalidRequest(text, field) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"not a valid msgpack envelope: {exc}", "message") from exc
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
+from consumers.runners.sampling import GenInput, TokenEvent
+
 
 class Runner(Protocol):
     family: str  # "embedding", "noop", ...
@@ -27,6 +29,21 @@ class BatchRunner(Runner, Protocol):
         """One forward pass over a batch; one msgpack-able output per text, in order."""
 
 
+class StepRunner(Runner, Protocol):
+    """Generative families: the runner keeps the running batch; each call is one step of it."""
+
+    max_prompt_tokens: int  # prompts are truncated to this
+    spec_proposed: int  # speculative draft tokens verified so far
+    spec_accepted: int  # of those, accepted
+
+    @property
+    def batch(self) -> Any:
+        """The running batch (``cache_tokens``, ``real_tokens``), or None when empty."""
+
+    def step(self, admit: list[GenInput], drop: list[str]) -> list[TokenEvent]:
+        """Drop finished or cancelled rows, prefill ``admit``, decode one token for every row."""
+
+
 def estimate_tokens(text: str, max_length: int) -> int:
     """WordPiece/BPE average about four characters a token in English; +2 for the special tokens.
 
@@ -38,6 +55,27 @@ def estimate_tokens(text: str, max_length: int) -> int:
 def encode(tokenizer: Any, texts: list[str], max_length: int, device: str) -> Any:
     """A padded, truncated batch of ``texts`` as tensors on ``device`` (encoder families)."""
     return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+
+
+def default_threads(workers_per_host: int = 1) -> int:
+    """Torch threads per worker: the CPUs this process may use (its affinity, which a container's
+    cpuset or ``taskset`` sets), less one for the worker's event loop, split among the workers that
+    share them. Never fewer than one. Two cores, one worker: one thread (the other core is the
+    loop's, the broker's and the gateway's)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cpus - 1) // workers_per_host)
+
+
+def set_threads(threads: int | None, workers_per_host: int = 1) -> int | None:
+    """Size torch's intra-op pool (``None``: ``default_threads``); returns it, or None without torch."""
+    import sys
+
+    torch = sys.modules.get("torch")  # a family without torch (noop) never imports it
+    if torch is None:
+        return None
+    n = threads or default_threads(workers_per_host)
+    torch.set_num_threads(n)
+    return n
 
 
 def pick_device(requested: str = "auto") -> str:

@@ -20,56 +20,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from consumers.runners.sampling import GenInput, Sampling, TokenEvent
 
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """Per-request sampling parameters (``params`` of the request envelope)."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()  # generation ends when one appears; it is not part of the output
-    seed: int | None = None  # default: derived from the request id, so a redelivery samples the same tokens
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> Sampling:
-        stop = params.get("stop") or ()
-        if isinstance(stop, str):
-            stop = tuple(s for s in stop.split("\x1f") if s)  # several stops travel joined by US (0x1F)
-        return cls(
-            max_new_tokens=int(params.get("max_new_tokens", 64)),
-            temperature=float(params.get("temperature", 0.0)),
-            top_p=float(params.get("top_p", 1.0)),
-            stop=tuple(stop),
-            seed=None if params.get("seed") is None else int(params["seed"]),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class GenInput:
-    id: str
-    prompt: str
-    sampling: Sampling = field(default_factory=Sampling)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """What one sequence produced in one step."""
-
-    id: str
-    token: int  # the token id
-    text: str  # text that became final this step (may be empty while a stop sequence might form)
-    finish: str | None  # "eos", "length" or "stop" when this was the last token
-    prompt_tokens: int
-    generated: int  # tokens produced so far, this one included
+__all__ = ["GenBatch", "GenInput", "GeneratorRunner", "Sampling", "TokenEvent"]
 
 
 @dataclass

@@ -162,3 +162,31 @@ async def test_request_that_expires_in_the_queue_gets_no_compute(
     # Its one terminal reply is "expired", given before compute (a computed request answers "ok").
     await worker.wait_metric("kinfer_results_total", 1, status="expired")
     assert worker.metric("kinfer_shed_total", priority="p0") == 1
+
+
+async def test_sigkill_with_coalesced_commits_replays_but_loses_nothing(
+    client: Client, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    """Commits every 60 s: the kill surely lands after replies went out and before their commit. The
+    rescuer answers those again; the caller sees each request answered once, and nothing is lost."""
+    instance = f"inst-{uuid.uuid4().hex[:6]}"
+    common = ("--family", "noop", "--instance-id", instance, "--session-timeout-ms", "6000", *NO_CODEL)
+    first = spawn_worker(topics, *common, "--commit-interval-ms", "60000")
+    await wait_until_served(client, topics)
+    answered = [await client.infer(topics, [f"early {i}"], deadline_ms=60_000) for i in range(30)]
+    assert all(r.worker == first.worker_id for r in answered)
+    stuck = [
+        asyncio.create_task(client.infer(topics, [f"late {i}"], deadline_ms=120_000, request_id=f"l{i}-{instance}"))
+        for i in range(20)
+    ]
+    await asyncio.sleep(0)  # in flight, some possibly answered, none committed
+    first.proc.kill()
+    first.proc.wait()
+    rescuer = spawn_worker(topics, *common)
+    results = await asyncio.wait_for(asyncio.gather(*stuck), 120)
+    assert sorted(r.id for r in results) == sorted(f"l{i}-{instance}" for i in range(20))
+    assert all(r.ok for r in results)
+    # The rescuer started from the last commit: the 30 early requests (answered, never committed) ran again,
+    # and their second replies were dropped by the client, not handed to anyone.
+    await rescuer.wait_metric("kinfer_results_total", 30)
+    assert client.duplicate_replies >= 1

@@ -51,3 +51,38 @@ def test_commit_position_is_safe(offsets: list[int], data: st.DataObject) -> Non
             assert all(o in finished for o in offsets if o < position)
             t.mark_committed({"p": position})
     assert t.committable() == {} or t.committable() == {"p": max(offsets) + 1}
+
+
+@given(st.lists(st.sampled_from(["fetch-a", "fetch-b", "publish", "commit"]), max_size=200), st.randoms())
+def test_coalesced_commits_never_pass_an_unpublished_reply(steps: list[str], rng: object) -> None:
+    """Fetches, out-of-order publishes and commits interleaved in any order, as a worker coalescing its
+    commits sees them: no committed position ever passes a reply that is not out, and what a crash
+    right after a commit would replay is exactly what was published at or past that position."""
+    import random
+
+    assert isinstance(rng, random.Random)
+    t: OffsetTracker[str] = OffsetTracker()
+    next_offset = {"a": 0, "b": 0}
+    open_: set[tuple[str, int]] = set()
+    published: set[tuple[str, int]] = set()
+    committed = {"a": 0, "b": 0}
+    for step in [*steps, "commit"]:
+        if step.startswith("fetch"):
+            tp = step[-1]
+            t.track(tp, next_offset[tp])
+            open_.add((tp, next_offset[tp]))
+            next_offset[tp] += 1
+        elif step == "publish" and open_:
+            done = rng.choice(sorted(open_))
+            open_.discard(done)
+            published.add(done)
+            t.done(*done)
+        elif step == "commit":
+            positions = t.committable()
+            for tp, position in positions.items():
+                assert all(off >= position for p, off in open_ if p == tp), (tp, position, open_)
+            t.mark_committed(positions)
+            committed.update(positions)
+    replay = {(tp, off) for tp, off in published if off >= committed[tp]}
+    assert replay == {(tp, off) for tp, off in published if off > min(
+        [o for p, o in open_ if p == tp], default=next_offset[tp])}

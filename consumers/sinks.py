@@ -1,0 +1,86 @@
+"""The observer's two sinks: Prometheus (``--metrics-port``) and the telemetry stream (``kinfer.stats``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from consumers import metrics
+from consumers.observer import BatchFacts, Observer, StepFacts
+from consumers.telemetry import StatsReporter
+from topics import Priority, Status
+
+
+class PrometheusSink(Observer):
+    def __init__(self) -> None:
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def fetched(self, model: str, priority: Priority, queue_s: float) -> None:
+        self._child(metrics.QUEUE_WAIT, model, priority.label).observe(queue_s)
+
+    def dead_letter(self, model: str, field: str) -> None:
+        self._child(metrics.DEAD_LETTERS, model, field).inc()
+
+    def shed(self, model: str, priority: Priority, reason: str) -> None:
+        self._child(metrics.SHED, model, priority.label, reason).inc()
+
+    def batch(self, model: str, facts: BatchFacts) -> None:
+        self._child(metrics.COMPUTE, model).observe(facts.compute_s)
+        self._child(metrics.PREDICTED, model).observe(facts.predicted_s)
+        self._child(metrics.BATCH_SIZE, model).observe(facts.size)
+        self._child(metrics.PADDING, model).observe(facts.padding_ratio)
+        for priority, wait in facts.waits:
+            self._child(metrics.BATCH_WAIT, model, priority.label).observe(wait)
+
+    def step(self, model: str, facts: StepFacts) -> None:
+        self._child(metrics.GEN_STEP, model).observe(facts.compute_s)
+        self._child(metrics.GEN_TOKENS, model).inc(facts.tokens)
+        self._child(metrics.SPEC_PROPOSED, model).inc(facts.spec_proposed)
+        self._child(metrics.SPEC_ACCEPTED, model).inc(facts.spec_accepted)
+        if facts.kv_padding is not None:
+            self._child(metrics.KV_PADDING, model).observe(facts.kv_padding)
+
+    def replied(self, model: str, outcomes: Counter[tuple[Priority, Status]]) -> None:
+        for (priority, status), n in outcomes.items():
+            self._child(metrics.RESULTS, model, priority.label, status.value).inc(n)
+
+    def buffered(self, model: str, inputs: int) -> None:
+        self._child(metrics.BUFFERED, model).set(inputs)
+
+    def paused(self, model: str, priorities: set[Priority]) -> None:
+        for priority in Priority:
+            self._child(metrics.PAUSED, model, priority.label).set(int(priority in priorities))
+
+    def codel(self, model: str, dropping: bool) -> None:
+        self._child(metrics.CODEL_DROPPING, model).set(int(dropping))
+
+    def generation(self, model: str, running: int, kv_reserved: int) -> None:
+        self._child(metrics.GEN_RUNNING, model).set(running)
+        self._child(metrics.KV_RESERVED, model).set(kv_reserved)
+
+    def cancelled(self, model: str) -> None:
+        self._child(metrics.GEN_CANCELLED, model).inc()
+
+
+class StatsSink(Observer):
+    """Batches, steps and sheds to the telemetry stream (through the reporter's bounded buffer)."""
+
+    def __init__(self, reporter: StatsReporter) -> None:
+        self.reporter = reporter
+
+    def shed(self, model: str, priority: Priority, reason: str) -> None:
+        self.reporter.shed(model, reason)
+
+    def batch(self, model: str, facts: BatchFacts) -> None:
+        self.reporter.batch(model, facts.size, facts.requests, facts.tokens, facts.compute_s, facts.predicted_s,
+                            errors=facts.errors)
+
+    def step(self, model: str, facts: StepFacts) -> None:
+        self.reporter.batch(model, facts.running, facts.admitted, facts.tokens, facts.compute_s, step=True)

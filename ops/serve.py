@@ -1,0 +1,142 @@
+"""``kinfer bench serve``: does kinfer hand the model the machine, or keep the cores for itself?
+
+Two measurements in one run, on the same texts (5–60 words):
+
+1. **The model alone**, in process, no transport: for each layout (processes × torch threads ×
+   batch size) the sequences per second the runner does back to back; the best layout is what the
+   hardware can give this model.
+2. **kinfer through the HTTP gateway**: workers laid out like the best layout, the gateway, the
+   broker and Redis, all on the same machine, open-loop Poisson load swept upward; the highest rate
+   meeting P95 < 150 ms, P99 < 250 ms with at most 1 % errors.
+
+``ratio`` = (2) / (1): the share of the model's own capacity kinfer delivers as a service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ops.bench import SLA_P95_MS, SLA_P99_MS, _log
+from ops.load import make_texts
+from ops.procs import spawn, spawn_worker, stop_process
+from ops.stack import LocalStack, free_port
+from ops.transport import _LoadGen, _wait_http, _wait_served, cpu_seconds
+from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+
+SLA_MIN_OK = 0.99
+# (processes, torch threads each, batch size): the layouts the model alone is tried in.
+LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 8), (2, 1, 8))
+TEXT_WORDS = (5, 60)
+
+
+def _alone_process(model: str, threads: int, batch: int, seconds: float, start_at: float) -> None:
+    """One process of the model-alone measurement: prints its sequences per second."""
+    import torch
+
+    from consumers.runners import BatchRunner, build_runner, resolve_model
+
+    torch.set_num_threads(threads)
+    runner: BatchRunner = build_runner(resolve_model(model))  # type: ignore[assignment]
+    runner.load()
+    runner.warmup()
+    texts = make_texts(1024, *TEXT_WORDS, seed=os.getpid())
+    time.sleep(max(0.0, start_at - time.time()))  # every process of a layout starts together
+    done, i, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        runner.run([texts[(i + k) % len(texts)] for k in range(batch)])
+        done += batch
+        i += batch
+    print(json.dumps({"seq_per_s": done / (time.perf_counter() - t0)}), flush=True)
+
+
+def model_alone(model: str, seconds: float) -> dict[str, float]:
+    """Sequences/s of each layout (all its processes together)."""
+    out: dict[str, float] = {}
+    for procs, threads, batch in LAYOUTS:
+        start_at = time.time() + 25.0  # loading torch and the model takes a while on a busy box
+        cmd = [sys.executable, "-m", "ops.serve", "alone", model, str(threads), str(batch), str(seconds),
+               str(start_at)]
+        children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+        rates = [json.loads(child.communicate()[0])["seq_per_s"] for child in children]
+        name = f"{procs}x{threads}t-b{batch}"
+        out[name] = round(sum(rates), 1)
+        _log(f"  alone {name}: {out[name]} seq/s")
+    return out
+
+
+def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_step: float = 10.0,
+                fractions: tuple[float, ...] = (0.5, 0.65, 0.75, 0.85, 0.9, 0.95, 1.0, 1.1)) -> dict[str, Any]:
+    _log("the model alone")
+    alone = model_alone(model, alone_seconds)
+    best = max(alone, key=lambda k: alone[k])
+    procs, threads = int(best.split("x")[0]), int(best.split("x")[1].split("t")[0])
+    report: dict[str, Any] = {
+        "model": model, "texts": f"{TEXT_WORDS[0]}-{TEXT_WORDS[1]} words, Poisson arrivals", "cpus": os.cpu_count(),
+        "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK},
+        "model_alone_seq_per_s": alone, "model_alone_best_rps": alone[best], "model_alone_config": best,
+        "workers": {"processes": procs, "threads": threads},
+    }
+    stack = LocalStack()
+    info, started = stack.up()
+    served = f"bench-serve-{model}"
+    workers: list[subprocess.Popen[bytes]] = []
+    gateway = None
+    try:
+        import asyncio
+
+        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(served, 3)]))
+        from consumers.runners import resolve_model
+
+        spec = resolve_model(model)
+        flags = ["--family", spec.family, *(["--path", spec.path] if spec.path else []), "--threads", str(threads),
+                 "--workers-per-host", str(procs)]
+        for i in range(procs):
+            workers.append(spawn_worker(info, served, *flags,
+                                        log_path=os.path.join(info.home, f"bench-serve-worker{i}.log")))
+        asyncio.run(_wait_served(info, served))
+        port = free_port()
+        gateway = spawn(info, "gateway", "--port", str(port), log_path=os.path.join(info.home, "bench-serve-gw.log"))
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url)
+        gen = _LoadGen(info, "http", os.path.join(info.home, "bench-serve-loadgen.log"), url=url, model=served,
+                       extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
+        _log(f"through the gateway ({procs} worker(s) x {threads} thread(s))")
+        steps, best_rate = [], 0.0
+        pids = {"client": gen.proc.pid, "gateway": gateway.pid, "broker": info.kafka_pid, "redis": info.redis_pid,
+                **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
+        try:
+            gen.step(alone[best] * 0.3, 5.0, seed=99)  # warm-up, not counted
+            for i, fraction in enumerate(fractions):
+                rate = round(alone[best] * fraction, 1)
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                out = gen.step(rate, seconds_per_step, seed=i + 1)
+                cpu = {name: round(cpu_seconds(pid) - before[name], 2) for name, pid in pids.items()}
+                meets = (out["ok_fraction"] >= SLA_MIN_OK and out["p95_ms"] is not None and out["p99_ms"] is not None
+                         and out["p95_ms"] < SLA_P95_MS and out["p99_ms"] < SLA_P99_MS)
+                steps.append({**out, "cpu_s": cpu, "meets_sla": meets})
+                _log(f"  {rate:6.1f}/s ok={out['ok_fraction']:.3f} p95={out['p95_ms']} p99={out['p99_ms']} "
+                     f"cpu_s={cpu} {'pass' if meets else 'FAIL'}")
+                if not meets:
+                    break
+                best_rate = rate
+        finally:
+            gen.close()
+        report["gateway_max_rps_at_sla"] = best_rate
+        report["ratio"] = round(best_rate / alone[best], 3)
+        report["steps"] = steps
+    finally:
+        for proc in [gateway, *workers]:
+            if proc is not None:
+                stop_process(proc)
+        if started:
+            stack.down()
+    return report
+
+
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "alone":
+    _alone_process(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))
