@@ -2,7 +2,7 @@
 
 A synchronous state machine in the style of TGI's ``State::next_batch`` and vLLM's scheduler: the
 worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and then
-``next_batch(now, idle=...)`` whenever something changed, and ``observe`` after each forward pass.
+``next_batch(now)`` whenever its executor is free, and ``observe`` after each forward pass.
 ``now`` is always passed in (seconds on one monotonic clock); the batcher never reads a clock.
 
 **Which requests run together**
@@ -25,11 +25,9 @@ worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and the
 
 **When a batch goes out**
 
-* ``mode="dynamic"`` is work-conserving: an idle executor gets a batch at once — at low rates a
-  fixed window would only add latency. A caller whose executor is busy but could take another
-  batch (pipelining, several devices) asks with ``idle=False``; the batch is sealed once full,
-  once its oldest request has waited ``max_wait_ms`` (≤ 100), or once the tightest deadline in it
-  leaves less than two predicted service times of slack.
+* ``mode="dynamic"`` is work-conserving: the caller asks for a batch when its executor is free,
+  and gets one at once — at low rates any window would only add latency, and under load everything
+  that arrived during one forward pass joins the next, so batches grow with load by themselves.
 * ``mode="window"`` is the naive baseline for benchmarks: a batch goes out only when full or when
   its oldest request has waited ``max_wait_ms``, idle executor or not.
 
@@ -65,7 +63,7 @@ MAX_WAIT_CEILING_MS = 100.0
 class BatchPolicy:
     max_batch_size: int = 32  # inputs (sequences) in one forward pass
     max_batch_tokens: int = 8_192  # padded tokens (inputs × longest) in one forward pass
-    max_wait_ms: float = 20.0  # ceiling on the oldest request's wait for its batch to seal
+    max_wait_ms: float = 20.0  # window mode: how long the oldest request waits for its batch (<= 100)
     mode: Literal["dynamic", "window"] = "dynamic"
     # Waiting this long improves a request by one priority level. Keep it above the interactive
     # deadlines: then aging never makes an interactive request late, and still gives long-deadline
@@ -252,7 +250,7 @@ class DynamicBatcher(Generic[T]):
             self._codel.observe(self._standing(now), now)
         return dropped
 
-    def next_batch(self, now: float, *, idle: bool, max_batch_s: float | None = None) -> Batch[T] | None:
+    def next_batch(self, now: float, *, max_batch_s: float | None = None) -> Batch[T] | None:
         """The next batch to run, or None if nothing should go out yet (see the module doc).
 
         ``max_batch_s``: no request joins a batch whose predicted run would exceed it (the first
@@ -262,38 +260,29 @@ class DynamicBatcher(Generic[T]):
         if not self._items:
             return None
         taken, full = self._plan(now, max_batch_s)
-        predicted = self.predict(taken)
-        # The ceiling is on the oldest queued request, taken or not: a request held out of this
-        # batch (by priority or padding) still makes the batch go, so it is next in line.
-        waited_out = now - min(p.arrival for p in self._items.values()) >= self._max_wait_s
-        if self.policy.mode == "window":
-            ready = full or waited_out
-        else:
-            tight = min(p.deadline for p in taken) - now <= 2.0 * predicted
-            ready = idle or full or waited_out or tight
-        if not ready:
+        # The window is on the oldest queued request, taken or not: a request held out of this batch
+        # (by priority or padding) still makes the batch go, so it is next in line.
+        if self.policy.mode == "window" and not full and now - self._oldest_arrival() < self._max_wait_s:
             return None
         for p in taken:
             self._take(p)
         self._codel.observe(self._standing(now), now)
-        return Batch(tuple(taken), predicted)
+        return Batch(tuple(taken), self.predict(taken))
 
     def observe(self, batch: Batch[T], seconds: float) -> None:
         """Feed the measured duration of a finished batch to the service-time model."""
         self.service.observe(batch.padded_tokens, batch.size, seconds)
 
-    def wake_at(self, now: float, *, idle: bool, pipelined: bool = False) -> float | None:
+    def wake_at(self, now: float, *, idle: bool) -> float | None:
         """The next time a decision could change with no new arrival (None: only events matter).
 
-        ``idle``: the executor is free now. ``pipelined``: the caller also asks for batches while
-        its executor is busy. The time a batch seals matters only when the caller would take it:
-        a naive window with a free executor, or a pipelined caller with a busy one.
+        ``idle``: the executor is free now (only then does a naive window's closing matter).
         """
         if not self._items:
             return None
         times: list[float] = []
-        if (self.policy.mode == "window" and idle) or (pipelined and not idle):
-            times.append(min(p.arrival for p in self._items.values()) + self._max_wait_s)
+        if self.policy.mode == "window" and idle:
+            times.append(self._oldest_arrival() + self._max_wait_s)
         # The moment a queued request can no longer make its deadline: refuse it then, not later.
         # Only requests within the largest alone-cost of the earliest deadline can be the first.
         first = self._live_root(self._deadlines)[0]
@@ -357,6 +346,9 @@ class DynamicBatcher(Generic[T]):
         at low load, batching there would only add latency.
         """
         return riding * grows_by <= (behind + 1) * (alone - grows_by)
+
+    def _oldest_arrival(self) -> float:
+        return min(p.arrival for p in self._items.values())
 
     def _standing(self, now: float) -> float:
         if not self._items:

@@ -201,7 +201,7 @@ class BatchCore(EngineCore):
 
     def next(self, now: float, max_s: float | None = None) -> Plan:
         # The executor is free whenever the shell asks (one batch at a time): work-conserving.
-        batch = self.batcher.next_batch(now, idle=True, max_batch_s=max_s)
+        batch = self.batcher.next_batch(now, max_batch_s=max_s)
         if batch is None:
             return Plan(None)
         texts = [t for job in batch.payloads for t in job.request.inputs]
@@ -321,12 +321,16 @@ class GenCore(EngineCore):
         plan = self.scheduler.schedule(now)
         replies = [r for s, why in plan.evict if (r := self._ended(s.id, why)) is not None]
         self._drops += [s.id for s, _ in plan.evict]  # until the runner has dropped them
-        self.observer.generation(self.name, len(self.scheduler.running), self.scheduler.kv_reserved)
+        self._report_batch()
         if not (plan.admit or plan.decode or self._drops):
             return Plan(None, replies)
         admit = [self._take_prompt(s.id) for s in plan.admit]
         drops, self._drops = self._drops, []
         return Plan(Work(partial(self._runner.step, admit, drops), self.step_s, len(admit)), replies)
+
+    def _report_batch(self) -> None:
+        s = self.scheduler
+        self.observer.generation(self.name, len(s.running), s.kv_reserved, s.kv_reserved_unused)
 
     def _take_prompt(self, rid: str) -> GenInput:
         running = self._seqs[rid]
@@ -352,7 +356,7 @@ class GenCore(EngineCore):
         ))
         self._spec_seen = (proposed, accepted)
         replies = self._apply(events)
-        self.observer.generation(self.name, len(self.scheduler.running), self.scheduler.kv_reserved)
+        self._report_batch()
         return replies
 
     def _apply(self, events: list[TokenEvent]) -> list[Outgoing]:

@@ -43,6 +43,10 @@ GEN_TOKENS = Counter("kinfer_generated_tokens_total", "Tokens generated", ["mode
 GEN_RUNNING = Gauge("kinfer_generation_running", "Sequences in the running batch", ["model"])
 GEN_CANCELLED = Counter("kinfer_generation_cancelled_total", "Streams cancelled by their client", ["model"])
 KV_RESERVED = Gauge("kinfer_kv_reserved_tokens", "KV cache tokens reserved by running sequences", ["model"])
+KV_UNUSED = Gauge(
+    "kinfer_kv_reserved_unused_tokens", "Reserved KV tokens not generated (yet): the price of never preempting",
+    ["model"],
+)
 KV_PADDING = Histogram(
     "kinfer_kv_padding_ratio", "Share of the running batch's KV cache that is left padding (fragmentation)",
     ["model"], buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),

@@ -74,7 +74,8 @@ class Observer:
 
     def codel(self, model: str, dropping: bool) -> None: ...
 
-    def generation(self, model: str, running: int, kv_reserved: int) -> None: ...
+    def generation(self, model: str, running: int, kv_reserved: int, kv_unused: int) -> None:
+        """The running batch now: sequences, KV tokens reserved, and of those not (yet) used."""
 
     def cancelled(self, model: str) -> None:
         """A streaming client went away and its sequence was dropped."""

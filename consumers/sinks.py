@@ -61,9 +61,10 @@ class PrometheusSink(Observer):
     def codel(self, model: str, dropping: bool) -> None:
         self._child(metrics.CODEL_DROPPING, model).set(int(dropping))
 
-    def generation(self, model: str, running: int, kv_reserved: int) -> None:
+    def generation(self, model: str, running: int, kv_reserved: int, kv_unused: int) -> None:
         self._child(metrics.GEN_RUNNING, model).set(running)
         self._child(metrics.KV_RESERVED, model).set(kv_reserved)
+        self._child(metrics.KV_UNUSED, model).set(kv_unused)
 
     def cancelled(self, model: str) -> None:
         self._child(metrics.GEN_CANCELLED, model).inc()

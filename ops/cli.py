@@ -260,7 +260,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     d = BatchPolicy()
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="inputs per forward pass")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="padded tokens per pass")
-    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="batching ceiling (<= 100)")
+    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
+                   help="--mode window: how long the oldest request waits for its batch (<= 100)")
     p.add_argument("--mode", choices=["dynamic", "window"], default=d.mode,
                    help="dynamic: work-conserving; window: naive fixed window (baseline)")
     p.add_argument("--aging-ms", type=float, default=d.aging_ms, help="wait that raises a request one priority")

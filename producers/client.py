@@ -171,6 +171,11 @@ class Client:
         return self._health.get(model)
 
     @property
+    def unknown_replies(self) -> int:
+        """Replies for request ids this client never sent (misrouted or forged), dropped."""
+        return self._replies.unknown
+
+    @property
     def late_replies(self) -> int:
         """Replies dropped because their caller had already given up (deadline passed)."""
         return self._replies.late

@@ -57,7 +57,7 @@ class ReplyMux:
         self.reply_topic = reply_topic
         self.duplicates = 0
         self.late = 0
-        self.unknown = 0
+        self.unknown = 0  # replies for ids this client never sent (misrouted, or forged)
         self.malformed = 0  # replies that did not decode (dropped)
         self.redis_healthy = False
         self.received = {"redis": 0, "kafka": 0}  # replies read from each source
@@ -161,10 +161,6 @@ class ReplyMux:
         self._recent.move_to_end(request_id)
         while len(self._recent) > self.RECENT:
             self._recent.popitem(last=False)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
 
     async def _read_redis(self) -> None:
         delay = 0.1

@@ -2,34 +2,247 @@
 
 That is the recipe all-MiniLM-L6-v2 was trained with (its ``1_Pooling`` config says mean pooling,
 ``modules.json`` adds ``Normalize``), so the vectors match sentence-transformers' own.
+
+Two runtimes serve the same weights (the ``runtime`` option):
+
+* ``torch``: the model in eager PyTorch.
+* ``onnx``: the encoder and the pooling exported to ONNX from those weights at first use, cached on
+  disk, and run by ONNX Runtime. CPU only. On a 2-core CPU with one intra-op thread each it served
+  all-MiniLM-L6-v2 ~1.6x faster than torch eager at batch 1 (~1.2x at batch 8), tokenisation included.
+  Every load checks it against torch (cosine >= ``ONNX_MIN_COSINE`` per output) and falls back to
+  torch, with a warning, when it disagrees or cannot be exported.
+* ``auto`` (default): ``onnx`` on CPU when onnxruntime is installed and the model is an encoder, else torch.
+
+``runner.runtime`` says which one is serving once ``load()`` has returned.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from consumers.runners.base import encode, estimate_tokens
+
+log = logging.getLogger(__name__)
+
+RUNTIMES = ("auto", "torch", "onnx")
+ONNX_MIN_COSINE = 0.9999  # per output, ONNX Runtime against torch on the same texts
+ONNX_OPSET = 18
+# Part of the cache key: bump it when the exported graph changes (inputs, pooling), so no stale export is reused.
+ONNX_EXPORT_FORMAT = 1
+# Files of a model directory whose content decides the exported graph (the weights and the architecture).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_ONNX_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# The load-time self-check: short and long, alone and padded together (padding is where exports go wrong).
+_PROBE_TEXTS = (
+    "hi",
+    "Kafka partitions are consumed by exactly one member of a consumer group at a time.",
+    "The worker batches requests, runs one forward pass and replies through Redis; "
+    "offsets are committed only after every reply of the batch has been written, so a crash "
+    "replays work instead of losing it. " * 3,
+    "naïve café — unicode, numbers 12345 and punctuation?!",
+)
+
+
+def onnx_cache_root() -> Path:
+    """Where exported models are kept: ``$KINFER_HOME/onnx`` when set, else ``~/.cache/kinfer/onnx``."""
+    home = os.environ.get("KINFER_HOME")
+    return Path(home) / "onnx" if home else Path.home() / ".cache" / "kinfer" / "onnx"
+
+
+def _pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the real tokens, then L2 normalisation (float32)."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+
+
+class _Pooled(torch.nn.Module):
+    """The encoder followed by the runner's pooling: the exported graph returns finished vectors."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        kwargs = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        return _pool(hidden, attention_mask)
+
+
+def onnx_cache_dir(model_dir: Path) -> Path:
+    """The cache entry of ``model_dir``: its path plus a hash of its weights' and config's contents (and of
+    the torch/transformers versions and export format that shaped the graph)."""
+    model_dir = model_dir.resolve()
+    h = hashlib.sha256()
+    for part in (str(model_dir), torch.__version__, _transformers_version(), str(ONNX_EXPORT_FORMAT)):
+        h.update(part.encode() + b"\0")
+    files = [p for p in sorted(model_dir.iterdir()) if p.suffix in _WEIGHT_SUFFIXES or p.name == "config.json"]
+    if not any(p.suffix in _WEIGHT_SUFFIXES for p in files):
+        raise FileNotFoundError(f"no weight files in {model_dir}")
+    for p in files:
+        with p.open("rb") as f:
+            h.update(p.name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+    return onnx_cache_root() / f"{model_dir.name}-{h.hexdigest()[:16]}"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def onnx_available() -> bool:
+    return importlib.util.find_spec("onnxruntime") is not None
+
+
+def _cosines(a: Any, b: Any) -> list[float]:
+    ta, tb = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return torch.nn.functional.cosine_similarity(ta, tb, dim=1).tolist()
 
 
 class EmbeddingRunner:
     family = "embedding"
 
-    def __init__(self, path: str | Path, device: str = "cpu", max_length: int = 256) -> None:
+    def __init__(self, path: str | Path, device: str = "cpu", max_length: int = 256, runtime: str = "auto") -> None:
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        if runtime == "onnx" and device != "cpu":
+            raise ValueError(f"runtime 'onnx' runs on the CPU only, not on {device!r}")
         self.path = str(path)
         self.device = device
-        self.max_length = max_length  # all-MiniLM-L6-v2 was trained on 256-token windows
+        self.max_length = int(max_length)  # all-MiniLM-L6-v2 was trained on 256-token windows
+        self.requested_runtime = runtime
+        self.runtime = runtime  # what serves: "torch" or "onnx" once load() has returned
+        self.onnx_exported = False  # whether load() exported the model (False: taken from the cache)
         # fp16 halves memory traffic on a GPU; CPUs have no fast fp16 matmul, so they stay fp32.
         self.dtype = torch.float16 if device.startswith("cuda") else torch.float32
         self._tokenizer: Any = None
         self._model: Any = None
+        self._session: Any = None  # an onnxruntime.InferenceSession when runtime is "onnx"
+        self._onnx_inputs: list[str] = []
 
     def load(self) -> None:
         self._tokenizer = AutoTokenizer.from_pretrained(self.path)
         self._model = AutoModel.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
+        self.runtime = "torch"
+        if self._wants_onnx():
+            try:
+                self._load_onnx()
+            except Exception as e:
+                # Raised before any ONNX output is served: the torch model loaded above serves instead.
+                self._session = None
+                log.warning("%s: ONNX Runtime unavailable (%s: %s); serving with torch", self.path, type(e).__name__, e)
+        if self._session is not None:
+            self.runtime = "onnx"
+            self._model = None  # the session holds its own copy of the weights
+        log.info("%s: embedding runtime %s", self.path, self.runtime)
+
+    def _wants_onnx(self) -> bool:
+        if self.requested_runtime == "torch":
+            return False
+        if self.requested_runtime == "onnx":
+            if not onnx_available():
+                raise RuntimeError("runtime 'onnx' needs the onnxruntime package (pip install onnxruntime)")
+            return True
+        config = AutoConfig.from_pretrained(self.path)
+        encoder = not (getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False))
+        return self.device == "cpu" and encoder and onnx_available() and Path(self.path).is_dir()
+
+    def _load_onnx(self) -> None:
+        import onnxruntime as ort
+
+        entry = onnx_cache_dir(Path(self.path))
+        if not (entry / "model.onnx").is_file():
+            self._export(entry)
+        opts = ort.SessionOptions()
+        # One setting governs both runtimes: the worker sizes torch's pool (set_threads) before load().
+        opts.intra_op_num_threads = torch.get_num_threads()
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3  # errors only: its warnings about pruned initializers are noise
+        session = ort.InferenceSession(str(entry / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        self._onnx_inputs = [i.name for i in session.get_inputs()]
+        self._session = session
+        self._self_check()
+
+    def _export(self, entry: Path) -> None:
+        """Export the encoder and pooling to ``entry/model.onnx``: written in a scratch folder, renamed into
+        place, so a reader (another worker starting at the same time) never sees half a model."""
+        t0 = time.perf_counter()
+        sample = self._tokenizer(
+            ["an export sample", "a longer export sample, so the batch has padding"], padding=True, return_tensors="pt"
+        )
+        kwargs = {k: sample[k] for k in _ONNX_INPUTS if k in sample}
+        batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the exporter's notes on dynamic axes and tracing
+                torch.onnx.export(
+                    _Pooled(self._model),
+                    (),
+                    str(scratch / "model.onnx"),
+                    kwargs=kwargs,
+                    input_names=list(kwargs),
+                    output_names=["sentence_embedding"],
+                    dynamic_shapes={k: {0: batch, 1: seq} for k in kwargs},
+                    opset_version=ONNX_OPSET,
+                    dynamo=True,
+                    verbose=False,
+                )
+            meta = {
+                "model_dir": str(Path(self.path).resolve()),
+                "inputs": list(kwargs),
+                "opset": ONNX_OPSET,
+                "format": ONNX_EXPORT_FORMAT,
+                "torch": torch.__version__,
+                "transformers": _transformers_version(),
+                "export_s": round(time.perf_counter() - t0, 2),
+            }
+            (scratch / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            try:
+                scratch.rename(entry)
+            except OSError:
+                if not (entry / "model.onnx").is_file():  # not a lost race: a real failure
+                    raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self.onnx_exported = True
+        log.info("%s: exported to ONNX in %.1f s -> %s", self.path, time.perf_counter() - t0, entry)
+
+    @torch.inference_mode()
+    def _self_check(self) -> None:
+        """ONNX against torch on the probe texts, padded together and one by one; refuses ONNX below the bar."""
+        texts = list(_PROBE_TEXTS)
+        worst = min(
+            [*_cosines(self._run_onnx(texts), self._run_torch(texts))]
+            + [c for t in texts for c in _cosines(self._run_onnx([t]), self._run_torch([t]))]
+        )
+        if worst < ONNX_MIN_COSINE:
+            self._session = None
+            log.warning(
+                "%s: ONNX outputs disagree with torch (worst cosine %.6f < %s); serving with torch",
+                self.path,
+                worst,
+                ONNX_MIN_COSINE,
+            )
 
     def warmup(self) -> None:
         for n, words in ((1, 4), (8, 32), (32, 64)):
@@ -38,12 +251,20 @@ class EmbeddingRunner:
     def count_tokens(self, text: str) -> int:
         return estimate_tokens(text, self.max_length)
 
-    @torch.inference_mode()
     def run(self, texts: list[str]) -> list[Any]:
+        if self._session is not None:
+            return self._run_onnx(texts)
+        return self._run_torch(texts)
+
+    def _run_onnx(self, texts: list[str]) -> list[Any]:
+        enc = self._tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
+        out = self._session.run(None, {k: enc[k] for k in self._onnx_inputs})[0]
+        vectors: list[Any] = out.tolist()
+        return vectors
+
+    @torch.inference_mode()
+    def _run_torch(self, texts: list[str]) -> list[Any]:
         enc = encode(self._tokenizer, texts, self.max_length, self.device)
         hidden = self._model(**enc).last_hidden_state
-        mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-        normed = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
-        vectors: list[Any] = normed.cpu().tolist()
+        vectors: list[Any] = _pool(hidden, enc["attention_mask"]).cpu().tolist()
         return vectors

@@ -56,8 +56,18 @@ def resolve_model(
     )
 
 
+# Families with an ONNX Runtime path take the ``runtime`` option (auto|torch|onnx); the others are torch only.
+ONNX_FAMILIES = frozenset({"embedding"})
+
+
 def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
     device = pick_device(device)
+    if spec.family not in ONNX_FAMILIES and "runtime" in spec.options:
+        # One ``--runtime`` for every model of a worker: "auto" and "torch" mean torch here; "onnx" cannot.
+        options = dict(spec.options)
+        if options.pop("runtime") == "onnx":
+            raise ValueError(f"model {spec.name!r}: runtime 'onnx' serves the embedding family only")
+        spec = ModelSpec(spec.name, spec.family, spec.path, options)
     if spec.family == "embedding":
         from consumers.runners.embedding import EmbeddingRunner
 

@@ -31,37 +31,17 @@ def names(batch: Batch[str] | None) -> list[str]:
 def test_idle_executor_dispatches_at_once() -> None:
     b = make_batcher(max_wait_ms=100)
     add(b, "a", now=0.0)
-    assert names(b.next_batch(0.0, idle=True)) == ["a"]  # no waiting for company
-    assert b.next_batch(0.0, idle=True) is None
-
-
-def test_busy_executor_seals_when_full_or_at_the_ceiling() -> None:
-    b = make_batcher(max_batch_size=3, max_wait_ms=50)
-    add(b, "a", now=0.0)
-    add(b, "b", now=0.01)
-    assert b.next_batch(0.02, idle=False) is None  # open: not full, oldest waited 20 ms
-    assert b.wake_at(0.02, idle=False, pipelined=True) == pytest.approx(0.05)
-    assert b.wake_at(0.02, idle=False) == pytest.approx(1e9 - 0.001)  # one executor: only deadlines matter
-    assert names(b.next_batch(0.05, idle=False)) == ["a", "b"]  # ceiling reached
-    for n in "cde":
-        add(b, n, now=0.06)
-    assert names(b.next_batch(0.06, idle=False)) == ["c", "d", "e"]  # full: sealed at once
-
-
-def test_busy_executor_seals_early_when_slack_runs_out() -> None:
-    b = make_batcher(ServicePrior(fixed_s=0.03, per_token_s=0.0), max_batch_size=8, max_wait_ms=100)
-    add(b, "tight", now=0.0, deadline=0.1)
-    assert b.next_batch(0.0, idle=False) is None  # 100 ms of slack > 2 × 30 ms
-    assert names(b.next_batch(0.045, idle=False)) == ["tight"]  # 55 ms left ≤ 2 × 30 ms: go
+    assert names(b.next_batch(0.0)) == ["a"]  # no waiting for company
+    assert b.next_batch(0.0) is None
 
 
 def test_window_mode_waits_even_when_idle() -> None:
     b = make_batcher(mode="window", max_batch_size=4, max_wait_ms=100)
     add(b, "a", now=0.0)
-    assert b.next_batch(0.05, idle=True) is None  # the naive window sits it out
+    assert b.next_batch(0.05) is None  # the naive window sits it out
     assert b.wake_at(0.05, idle=True) == pytest.approx(0.1)
     assert b.wake_at(0.05, idle=False) == pytest.approx(1e9 - 0.001)  # busy: the seal cannot start anyway
-    assert names(b.next_batch(0.1, idle=True)) == ["a"]
+    assert names(b.next_batch(0.1)) == ["a"]
 
 
 def test_priorities_first_then_arrival() -> None:
@@ -70,8 +50,8 @@ def test_priorities_first_then_arrival() -> None:
     add(b, "p1", 0.01, priority=1)
     add(b, "p0-a", 0.02, priority=0)
     add(b, "p0-b", 0.03, priority=0)
-    assert names(b.next_batch(0.03, idle=True)) == ["p0-a", "p0-b", "p1"]
-    assert names(b.next_batch(0.03, idle=True)) == ["p2-old"]
+    assert names(b.next_batch(0.03)) == ["p0-a", "p0-b", "p1"]
+    assert names(b.next_batch(0.03)) == ["p2-old"]
 
 
 def test_aging_lets_old_low_priority_work_through() -> None:
@@ -79,7 +59,7 @@ def test_aging_lets_old_low_priority_work_through() -> None:
     add(b, "p2-old", 0.0, priority=2)
     add(b, "p0-new", 0.25, priority=0)
     # p2-old waited 250 ms: two levels up, level 0, and older than p0-new.
-    assert names(b.next_batch(0.25, idle=True)) == ["p2-old"]
+    assert names(b.next_batch(0.25)) == ["p2-old"]
 
 
 def test_token_budget_counts_padding() -> None:
@@ -88,10 +68,10 @@ def test_token_budget_counts_padding() -> None:
     add(b, "short-2", 0.0, longest=10)
     add(b, "long", 0.0, longest=150)  # 3 × 150 = 450 padded tokens > 400
     add(b, "short-3", 0.0, longest=10)
-    first = b.next_batch(0.0, idle=True)
+    first = b.next_batch(0.0)
     assert names(first) == ["short-1", "short-2", "short-3"]  # the long one waits for a batch of its own
     assert first is not None and first.padded_tokens == 30
-    assert names(b.next_batch(0.0, idle=True)) == ["long"]
+    assert names(b.next_batch(0.0)) == ["long"]
 
 
 CPU = ServicePrior(fixed_s=0.004, per_token_s=0.0002)  # cost follows padded tokens
@@ -102,7 +82,7 @@ def test_gpu_like_costs_batch_everything_together() -> None:
     b = make_batcher(GPU, max_batch_size=8)
     for i, n in enumerate([20, 120, 22, 110, 25, 115]):
         add(b, f"len{n}", i * 0.001, longest=n)
-    assert names(b.next_batch(0.01, idle=True)) == ["len20", "len120", "len22", "len110", "len25", "len115"]
+    assert names(b.next_batch(0.01)) == ["len20", "len120", "len22", "len110", "len25", "len115"]
 
 
 def test_a_batch_may_be_capped_in_predicted_duration() -> None:
@@ -116,9 +96,9 @@ def test_a_batch_may_be_capped_in_predicted_duration() -> None:
             add(b, f"r{i}", i * 0.001)
         return b
 
-    assert len(names(backlog().next_batch(0.02, idle=True))) >= 9
-    assert len(names(backlog().next_batch(0.02, idle=True, max_batch_s=0.045))) == 3
-    assert len(names(backlog().next_batch(0.02, idle=True, max_batch_s=0.001))) == 1
+    assert len(names(backlog().next_batch(0.02))) >= 9
+    assert len(names(backlog().next_batch(0.02, max_batch_s=0.045))) == 3
+    assert len(names(backlog().next_batch(0.02, max_batch_s=0.001))) == 1
 
 
 def test_cpu_like_costs_batch_only_similar_lengths_and_only_under_backlog() -> None:
@@ -126,13 +106,13 @@ def test_cpu_like_costs_batch_only_similar_lengths_and_only_under_backlog() -> N
     add(light, "a", 0.0, longest=30)
     add(light, "b", 0.0, longest=30)
     # Two requests: batching saves 4 ms of overhead but delays "a" by all of "b"'s tokens.
-    assert names(light.next_batch(0.0, idle=True)) == ["a"]
+    assert names(light.next_batch(0.0)) == ["a"]
 
     backlog = make_batcher(CPU, max_batch_size=8)
     for i in range(30):
         add(backlog, f"short{i}", 0.0, longest=30)
     add(backlog, "long", 0.0, longest=200)
-    batch = backlog.next_batch(0.0, idle=True)
+    batch = backlog.next_batch(0.0)
     assert batch is not None and len(batch.items) > 1  # a backlog makes the overhead worth saving
     assert "long" not in names(batch) and batch.padding_ratio == 1.0
 
@@ -141,7 +121,7 @@ def test_padding_cap_holds_whatever_the_cost_model_says() -> None:
     b = make_batcher(ServicePrior(fixed_s=0.015, per_token_s=0.0), max_padding_ratio=1.5)
     add(b, "short", 0.0, longest=10)
     add(b, "long", 0.0, longest=100)
-    assert names(b.next_batch(0.0, idle=True)) == ["short"]
+    assert names(b.next_batch(0.0)) == ["short"]
 
 
 def test_skipped_higher_priority_closes_the_batch_to_lower_ones() -> None:
@@ -150,16 +130,16 @@ def test_skipped_higher_priority_closes_the_batch_to_lower_ones() -> None:
     add(b, "p0-long", 0.0, priority=0, longest=200)
     add(b, "p2-short", 0.0, priority=2, longest=10)
     # p2-short would fit by length, but must not overtake p0-long.
-    assert names(b.next_batch(0.0, idle=True)) == ["p0-short"]
-    assert names(b.next_batch(0.0, idle=True)) == ["p0-long"]
+    assert names(b.next_batch(0.0)) == ["p0-short"]
+    assert names(b.next_batch(0.0)) == ["p0-long"]
 
 
 def test_oversized_request_runs_alone() -> None:
     b = make_batcher(max_batch_size=4, max_batch_tokens=100)
     add(b, "huge", 0.0, size=10, longest=50)
     add(b, "next", 0.0)
-    assert names(b.next_batch(0.0, idle=False)) == ["huge"]  # counts as full
-    assert names(b.next_batch(0.0, idle=True)) == ["next"]
+    assert names(b.next_batch(0.0)) == ["huge"]  # counts as full
+    assert names(b.next_batch(0.0)) == ["next"]
 
 
 def test_deadline_aware_shedding_refuses_what_cannot_finish() -> None:
@@ -189,7 +169,7 @@ def test_codel_sheds_lowest_priority_only_after_a_standing_queue_persists() -> N
     assert [d.pending.payload for d in later] == ["p2-new"]
     assert [d.pending.payload for d in b.shed(0.5)] == ["p1"]
     assert b.shed(0.9) == []  # p0 is never shed by CoDel
-    assert b.next_batch(0.9, idle=True) is not None
+    assert b.next_batch(0.9) is not None
     b.shed(1.0)
     assert not b.shedding  # queue empty: standing queue gone
 
@@ -295,7 +275,7 @@ def test_invariants_under_random_schedules(
         if not idle:
             continue  # one executor: nothing starts while it is busy
         queued = list(b)
-        batch = b.next_batch(now, idle=True)
+        batch = b.next_batch(now)
         if policy.mode == "dynamic" and queued:
             assert batch is not None  # work-conserving: an idle executor never waits
         if batch is None:
@@ -364,7 +344,7 @@ def test_shed_and_wake_at_look_only_near_the_front_yet_agree_with_a_full_scan(
     for i, (size, longest, deadline, arrival) in enumerate(sorted(requests, key=lambda r: r[3])):
         add(b, f"r{i}", now=arrival, size=size, longest=longest, deadline=deadline)
     for _ in range(takes):  # some leave in batches, so the heaps hold stale entries
-        b.next_batch(1.0, idle=True)
+        b.next_batch(1.0)
     queued = list(b)
     if not queued:
         return

@@ -50,7 +50,7 @@ class RecordingObserver(Observer):
     def codel(self, model: str, dropping: bool) -> None:
         self.calls.append(("codel", (model, dropping)))
 
-    def generation(self, model: str, running: int, kv_reserved: int) -> None:
+    def generation(self, model: str, running: int, kv_reserved: int, kv_unused: int) -> None:
         self.calls.append(("generation", (model, running, kv_reserved)))
 
     def cancelled(self, model: str) -> None:
