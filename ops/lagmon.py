@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
 from ops.health import HealthEstimator, HealthPolicy
-from topics import InvalidRequest, now_ms
+from topics import MalformedRecord, now_ms
 from topics.admin import TopicSpec, ensure_topics
 from topics.health import (
     DECISIONS_KEPT,
@@ -72,7 +72,7 @@ class LagMonitor:
         try:
             data = await redis.get(stats_key(model))
             return ModelStats.unpack(data) if isinstance(data, bytes) else None
-        except (RedisError, OSError, InvalidRequest):
+        except (RedisError, OSError, MalformedRecord):
             return None
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from topics import InvalidRequest
+from topics import MalformedRecord
 from topics.health import DECISIONS_KEY, HEALTH_KEY_PREFIX, HealthState, LevelChange
 from topics.stats import STATS_KEY_PREFIX, ModelStats
 
@@ -52,7 +52,7 @@ async def _load(redis: aioredis.Redis, prefix: str, parse: Callable[[bytes], T])
     out = []
     for data in await redis.mget(keys) if keys else []:
         if isinstance(data, bytes):  # a key can expire between the scan and the read
-            with contextlib.suppress(InvalidRequest):
+            with contextlib.suppress(MalformedRecord):
                 out.append(parse(data))
     return out
 
@@ -63,7 +63,7 @@ async def snapshot(redis: aioredis.Redis, decisions: int = 10) -> Snapshot:
     changes = []
     for data in await redis.lrange(DECISIONS_KEY, 0, decisions - 1) if decisions > 0 else []:
         if isinstance(data, bytes):
-            with contextlib.suppress(InvalidRequest):
+            with contextlib.suppress(MalformedRecord):
                 changes.append(LevelChange.unpack(data))
     return Snapshot(health, stats, changes)
 

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from batcher import Reason
-from topics import InvalidRequest
+from topics import MalformedRecord
 from topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
         async for value in stream:
             try:
                 s = BatchStats.unpack(value)
-            except InvalidRequest as exc:
+            except MalformedRecord as exc:
                 log.warning("skipping a malformed stats record: %s", exc)
                 continue
             if s.size:

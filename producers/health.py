@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 
 from producers import metrics
 from producers.replies import stop_task
-from topics import InvalidRequest, now_ms
+from topics import MalformedRecord, now_ms
 from topics.health import HEALTH_CHANNEL, HealthState
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class HealthWatch:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is None or msg.get("type") != "message":
                         continue
-                    with contextlib.suppress(InvalidRequest):
+                    with contextlib.suppress(MalformedRecord):
                         state = HealthState.unpack(msg["data"])
                         previous = self._states.get(state.model)
                         if previous is None or previous.level != state.level:

@@ -8,12 +8,8 @@ topic ``kinfer.health`` keyed by model (durable, for consumers that start later)
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any
 
-import msgpack
-
-from topics.errors import InvalidRequest
+from topics.record import Record
 
 HEALTH_TOPIC = "kinfer.health"
 HEALTH_CHANNEL = "kinfer:health"
@@ -31,8 +27,7 @@ class Level(enum.IntEnum):
     REJECTING = 3  # refuse p1 and p2; p0 only if it can meet its deadline
 
 
-@dataclass(frozen=True, slots=True)
-class HealthState:
+class HealthState(Record, frozen=True):
     model: str
     level: Level
     predicted_wait_ms: float  # queueing a new request should expect now (unsmoothed; the level is smoothed)
@@ -49,40 +44,9 @@ class HealthState:
     capacity_rps: float = 0.0  # records/s the workers drain while busy; 0: not measured yet
     arrival_by_priority: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of ``arrival_rps``: p0, p1, p2
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "model": self.model, "level": int(self.level), "predicted_wait_ms": self.predicted_wait_ms,
-            "retry_after_ms": self.retry_after_ms, "lag": self.lag, "arrival_rps": self.arrival_rps,
-            "drain_rps": self.drain_rps, "updated_ms": self.updated_ms, "lag_by_priority": list(self.lag_by_priority),
-            "service_ms": self.service_ms, "capacity_rps": self.capacity_rps,
-            "arrival_by_priority": list(self.arrival_by_priority),
-        }
 
-    def pack(self) -> bytes:
-        data: bytes = msgpack.packb(self.to_wire())
-        return data
-
-    @classmethod
-    def unpack(cls, data: bytes) -> HealthState:
-        try:
-            obj = msgpack.unpackb(data, raw=False, max_str_len=256, max_map_len=16, max_array_len=3)
-            p0, p1, p2 = (int(n) for n in obj.get("lag_by_priority", (0, 0, 0)))
-            a0, a1, a2 = (float(r) for r in obj.get("arrival_by_priority", (0.0, 0.0, 0.0)))
-            return cls(
-                model=str(obj["model"]), level=Level(int(obj["level"])),
-                predicted_wait_ms=float(obj["predicted_wait_ms"]), retry_after_ms=int(obj["retry_after_ms"]),
-                lag=int(obj["lag"]), arrival_rps=float(obj["arrival_rps"]), drain_rps=float(obj["drain_rps"]),
-                updated_ms=int(obj["updated_ms"]), lag_by_priority=(p0, p1, p2),
-                service_ms=float(obj.get("service_ms", 0.0)), capacity_rps=float(obj.get("capacity_rps", 0.0)),
-                arrival_by_priority=(a0, a1, a2),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError) as exc:
-            raise InvalidRequest(f"malformed health state: {exc}", "health") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class LevelChange:
-    """One decision of the lag monitor, kept for ``kinfer status``."""
+class LevelChange(Record, frozen=True, array_like=True):
+    """One decision of the lag monitor, kept for ``kinfer status`` (a msgpack array, in field order)."""
 
     at_ms: int
     model: str
@@ -90,20 +54,6 @@ class LevelChange:
     after: Level
     lag: int
     predicted_wait_ms: float  # the smoothed wait the level was decided on
-
-    def pack(self) -> bytes:
-        data: bytes = msgpack.packb([self.at_ms, self.model, None if self.before is None else int(self.before),
-                                     int(self.after), self.lag, self.predicted_wait_ms])
-        return data
-
-    @classmethod
-    def unpack(cls, data: bytes) -> LevelChange:
-        try:
-            at, model, before, after, lag, wait = msgpack.unpackb(data, raw=False, max_str_len=256, max_array_len=6)
-            return cls(int(at), str(model), None if before is None else Level(int(before)), Level(int(after)),
-                       int(lag), float(wait))
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
-            raise InvalidRequest(f"malformed level change: {exc}", "health") from exc
 
 
 def health_key(model: str) -> str:

@@ -18,6 +18,7 @@ Two runtimes serve the same weights (the ``runtime`` option):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -27,6 +28,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +99,21 @@ def onnx_cache_dir(model_dir: Path) -> Path:
     for p in files:
         with p.open("rb") as f:
             h.update(p.name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
-    return onnx_cache_root() / f"{model_dir.name}-{h.hexdigest()[:16]}"
+    return onnx_cache_root() / f"{model_dir.parent.name}.{model_dir.name}-{h.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _quiet_exporter_logs() -> Iterator[None]:
+    """The exporter logs every graph rewrite at INFO (hundreds of lines in a worker's log); keep its warnings."""
+    loggers = [logging.getLogger(name) for name in ("onnx_ir", "onnxscript", "torch.onnx")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _transformers_version() -> str:
@@ -192,8 +208,9 @@ class EmbeddingRunner:
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
         entry.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+        scratch.chmod(0o755)  # mkdtemp's 0700 would follow the rename: a shared $KINFER_HOME stays readable
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _quiet_exporter_logs():
                 warnings.simplefilter("ignore")  # the exporter's notes on dynamic axes and tracing
                 torch.onnx.export(
                     _Pooled(self._model),

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from ops.health import HealthEstimator, HealthPolicy
-from topics import InvalidRequest
+from topics import MalformedRecord
 from topics.health import HealthState, Level
 
 
@@ -120,7 +120,7 @@ def test_state_round_trip_and_bad_input() -> None:
     new_fields = ("lag_by_priority", "service_ms", "capacity_rps")
     older = msgpack.packb({k: v for k, v in s.to_wire().items() if k not in new_fields})
     assert HealthState.unpack(older).lag_by_priority == (0, 0, 0)  # a monitor from before these fields
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(MalformedRecord):
         HealthState.unpack(b"\x81\xa1x\x01")
 
 

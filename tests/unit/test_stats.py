@@ -9,7 +9,7 @@ import pytest
 
 from consumers.telemetry import StatsReporter
 from ops.telemetry import summarize
-from topics import InvalidRequest
+from topics import MalformedRecord
 from topics.stats import BatchStats, ModelStats, size_bucket
 
 
@@ -20,7 +20,7 @@ def test_records_round_trip_and_bad_input_is_typed() -> None:
     s = ModelStats("m", 10.0, 50.0, 6.0, 8.3, 21.0, {8: 20.0, 16: 30.0}, {"expired": 1}, 900, 5, workers=2,
                    requests_per_batch=3.5, steps_rps=0.0)
     assert ModelStats.unpack(s.pack()) == s
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(MalformedRecord):
         BatchStats.unpack(b"\x93\x01\x02\x03")
 
 

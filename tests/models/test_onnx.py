@@ -1,0 +1,103 @@
+"""The ONNX Runtime path of the embedding runner against torch, on all-MiniLM-L6-v2."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from consumers.runners import build_runner, resolve_model
+from consumers.runners import embedding as emb
+
+TEXTS = [
+    "hello",
+    "Kafka keeps the offsets; the worker commits them only after replying.",
+    "a much longer text about consumer groups, partitions, rebalances and the lag they build up " * 4,
+    "numbers 3.14159 and punctuation: yes?! (maybe)",
+    "short one",
+]
+
+
+def embed(runtime: str) -> Any:
+    runner = build_runner(resolve_model("minilm", options={"runtime": runtime}), device="cpu")
+    runner.load()
+    return runner
+
+
+def cosines(a: list[list[float]], b: list[list[float]]) -> np.ndarray:
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return np.sum(x * y, axis=1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1))
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh cache for this module; the first load in it exports."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("kinfer-home")
+        mp.setenv("KINFER_HOME", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def exported(home: Path) -> Any:
+    runner = embed("onnx")
+    assert runner.runtime == "onnx" and runner.onnx_exported
+    return runner
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    runner = embed("torch")
+    assert runner.runtime == "torch" and not runner.onnx_exported
+    return runner
+
+
+def test_onnx_matches_torch(exported: Any, reference: Any) -> None:
+    batched = cosines(exported.run(TEXTS), reference.run(TEXTS))
+    alone = cosines([exported.run([t])[0] for t in TEXTS], [reference.run([t])[0] for t in TEXTS])
+    assert (batched >= emb.ONNX_MIN_COSINE).all(), batched
+    assert (alone >= emb.ONNX_MIN_COSINE).all(), alone
+    assert np.allclose(np.linalg.norm(exported.run(TEXTS), axis=1), 1.0, atol=1e-5)
+
+
+def test_second_load_reuses_the_cache(exported: Any, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (entry,) = (home / "onnx").iterdir()
+    model = entry / "model.onnx"
+    mtime = model.stat().st_mtime_ns
+
+    def no_export(*args: object, **kwargs: object) -> None:
+        raise AssertionError("exported a second time")
+
+    monkeypatch.setattr(torch.onnx, "export", no_export)
+    again = embed("auto")  # auto: ONNX on a CPU with onnxruntime installed
+    assert again.runtime == "onnx" and not again.onnx_exported
+    assert model.stat().st_mtime_ns == mtime
+    assert [p.name for p in (home / "onnx").iterdir()] == [entry.name]
+    assert np.allclose(again.run(TEXTS), exported.run(TEXTS), atol=1e-6)
+
+
+def test_disagreement_falls_back_to_torch(
+    exported: Any, reference: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(emb, "ONNX_MIN_COSINE", 1.5)  # nothing can pass: the self-check must refuse ONNX
+    with caplog.at_level(logging.WARNING, logger=emb.__name__):
+        runner = embed("onnx")
+    assert runner.runtime == "torch"
+    assert any("disagree with torch" in r.getMessage() for r in caplog.records)
+    assert np.allclose(runner.run(TEXTS), reference.run(TEXTS), atol=1e-6)
+
+
+def test_runtime_option() -> None:
+    with pytest.raises(ValueError, match="runtime must be one of"):
+        build_runner(resolve_model("minilm", options={"runtime": "tensorrt"}), device="cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        build_runner(resolve_model("minilm", options={"runtime": "onnx"}), device="cuda")
+    # One --runtime for every model of a worker: torch-only families accept auto/torch and refuse onnx.
+    assert build_runner(resolve_model("noop", options={"runtime": "auto"})).family == "noop"
+    with pytest.raises(ValueError, match="embedding family only"):
+        build_runner(resolve_model("noop", options={"runtime": "onnx"}))
