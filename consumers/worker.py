@@ -61,6 +61,7 @@ from topics import (
     decode_request,
     now_ms,
 )
+from topics.backoff import Backoff
 from topics.envelope import salvage_route
 from topics.names import CANCEL_CHANNEL, consumer_group, parse_request_topic, request_topics
 
@@ -244,13 +245,15 @@ class Worker:
     async def _fetch_loop(self, feed: _Feed) -> None:
         consumer = feed.consumer
         assert consumer is not None
+        backoff = Backoff()
         while not self._stopping.is_set():
             self._flow_control(feed, consumer)
             try:
                 data = await consumer.getmany(timeout_ms=100, max_records=self.settings.fetch_max_records)
+                backoff.reset()
             except KafkaError as exc:
                 log.warning("%s: fetch failed, retrying: %s", feed.name, exc)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(backoff.next_delay())
                 continue
             if not self._ready_logged:
                 self._log_ready()
@@ -421,7 +424,7 @@ class Worker:
         assert self._sink is not None
         deliveries = [Delivery(o.job.request.reply, o.message, o.job.request.batch_reply) for o in replies]
         give_up_ms = max(o.job.request.deadline_ms for o in replies) + PUBLISH_GRACE_MS
-        delay = 0.05
+        backoff = Backoff()
         while True:
             try:
                 await self._sink.publish(deliveries)
@@ -430,9 +433,9 @@ class Worker:
                 if now_ms() > give_up_ms:
                     log.error("giving up on %d replies past their deadlines: %s", len(replies), exc)
                     break
+                delay = backoff.next_delay()
                 log.warning("reply publish failed, retrying in %.2fs: %s", delay, exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
         done: Counter[tuple[Priority, Status]] = Counter()
         tracker = feed.tracker
         for o in replies:

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 from producers import metrics
 from producers.replies import stop_task
 from topics import MalformedRecord, now_ms
+from topics.backoff import Backoff
 from topics.health import HEALTH_CHANNEL, HealthState
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,12 @@ class HealthWatch:
         return state
 
     async def _watch(self) -> None:
+        backoff = Backoff(0.5)
         while True:  # best effort: without Redis there is no signal, and admission falls back to throttling
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(HEALTH_CHANNEL)
+                backoff.reset()
                 while True:
                     msg = await pubsub.get_message(timeout=1.0)
                     if msg is None or msg.get("type") != "message":
@@ -56,7 +59,7 @@ class HealthWatch:
                         self._states[state.model] = state
             except (RedisError, OSError) as exc:
                 log.debug("health watch lost Redis: %s", exc)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(backoff.next_delay())
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from producers.streams import StreamBuffer
 from topics import Chunk, KinferError, MalformedRecord, Reply, ReplyRoute, Result, Unavailable, decode_replies
+from topics.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +164,13 @@ class ReplyMux:
             self._recent.popitem(last=False)
 
     async def _read_redis(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1)
         while True:
             try:
                 if not self.redis_healthy:
                     await self._subscribe()
                     log.info("Redis is back: replies on %s again", self.channel)
-                    delay = 0.1
+                    backoff.reset()
                 msg = await self._pubsub.get_message(timeout=None)  # blocks until a message (or an error)
             except (RedisError, OSError, Unavailable) as exc:
                 if self.redis_healthy:
@@ -178,19 +179,20 @@ class ReplyMux:
                 with contextlib.suppress(RedisError, OSError):
                     await self._pubsub.aclose()  # type: ignore[no-untyped-call]
                 self._pubsub = self._redis.pubsub(ignore_subscribe_messages=False)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(backoff.next_delay())
                 continue
             if msg is not None and msg["type"] == "message":
                 self._receive(msg["data"], "redis")
 
     async def _read_kafka(self, consumer: AIOKafkaConsumer) -> None:
+        backoff = Backoff()
         while True:
             try:
                 batches = await consumer.getmany(timeout_ms=500)
+                backoff.reset()
             except KafkaError as exc:
                 log.warning("reply topic read failed, retrying: %s", exc)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(backoff.next_delay())
                 continue
             for records in batches.values():
                 for record in records:
