@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
+from batcher import BatchPolicy
+from consumers.worker import WorkerSettings
 from ops.stack import LocalStack, StackError, fetch_kafka, resolve_endpoints
 
 
@@ -68,24 +72,61 @@ def cmd_topics(args: argparse.Namespace) -> int:
     return 0
 
 
-def policy_from_args(args: argparse.Namespace) -> Any:
-    from batcher import BatchPolicy
+# Flags generated from settings classes: the class holds each default (one source), the CLI the help.
+POLICY_FLAGS = {
+    "max_batch_size": "inputs per forward pass",
+    "max_batch_tokens": "padded tokens per forward pass",
+    "max_wait_ms": "--mode window: how long the oldest request waits for its batch (<= 100)",
+    "mode": "dynamic: work-conserving, cost-aware; window: the naive fixed window (a baseline)",
+    "aging_ms": "a wait that raises a request one priority level",
+    "max_padding_ratio": "padded/real tokens a batch may reach (length bucketing)",
+    "codel_target_ms": "acceptable standing-queue sojourn (inf: CoDel off)",
+    "codel_interval_ms": "how long a standing queue must last before CoDel sheds",
+}
+WORKER_FLAGS = {
+    "device": "auto: CUDA when torch sees a GPU, else CPU",
+    "threads": "torch intra-op threads (default: CPUs in this process's affinity - 1, / --workers-per-host)",
+    "workers_per_host": "workers sharing this host's CPUs",
+    "max_buffered_inputs": "inputs held in memory per model before its partitions pause",
+    "fetch_max_wait_ms": "how long the broker holds a fetch that has no records yet",
+    "commit_interval_ms": "commits are coalesced: at most one round this often (a crash replays at most this much)",
+    "session_timeout_ms": "group liveness: a killed worker's partitions move after this",
+    "instance_id": "static group membership id (a restart rejoins without a rebalance)",
+    "fair_quantum_ms": "co-located models: compute per turn, and the longest batch one may run",
+    "drain_timeout_s": "on SIGTERM, finish buffered work for at most this long",
+    "metrics_port": "serve Prometheus metrics on this port",
+    "metrics_host": "address the metrics endpoint binds (0.0.0.0 in a container)",
+}
 
-    return BatchPolicy(
-        max_batch_size=args.max_batch_size,
-        max_batch_tokens=args.max_batch_tokens,
-        max_wait_ms=args.max_wait_ms,
-        mode=args.mode,
-        aging_ms=args.aging_ms,
-        max_padding_ratio=args.max_padding_ratio,
-        codel_target_ms=args.codel_target_ms,
-        codel_interval_ms=args.codel_interval_ms,
-    )
+
+def add_settings_args(p: argparse.ArgumentParser, cls: type, flags: dict[str, str]) -> None:
+    """One ``--flag`` per field named in ``flags``: type, choices and default from the settings class."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, text in flags.items():
+        field = fields[name]
+        default = None if field.default is dataclasses.MISSING else field.default
+        kind, choices = _flag_type(hints[name])
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, choices=choices, default=default,
+                       help=f"{text} [%(default)s]")
+
+
+def _flag_type(hint: Any) -> tuple[Any, list[str] | None]:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return str, [str(a) for a in typing.get_args(hint)]
+    if args and typing.get_origin(hint) is not typing.Literal:  # X | None
+        return _flag_type(args[0])
+    return hint, None
+
+
+def settings_from_args(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in flags}
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from consumers.runners import resolve_model
-    from consumers.worker import Worker, WorkerSettings
+    from consumers.worker import Worker
     from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
     bootstrap, redis_url = resolve_endpoints()
@@ -95,18 +136,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         models=specs,
         bootstrap=bootstrap,
         redis_url=redis_url,
-        policy=policy_from_args(args),
+        policy=BatchPolicy(**settings_from_args(args, POLICY_FLAGS)),
         weights=weights,
-        device=args.device,
-        session_timeout_ms=args.session_timeout_ms,
-        instance_id=args.instance_id,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        fair_quantum_ms=args.fair_quantum_ms,
-        commit_interval_ms=args.commit_interval_ms,
-        threads=args.threads,
-        workers_per_host=args.workers_per_host,
-        fetch_max_wait_ms=args.fetch_max_wait_ms,
+        **settings_from_args(args, WORKER_FLAGS),
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
 
@@ -254,23 +286,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_policy_args(p: argparse.ArgumentParser) -> None:
-    from batcher import BatchPolicy
-
-    d = BatchPolicy()
-    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="inputs per forward pass")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="padded tokens per pass")
-    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
-                   help="--mode window: how long the oldest request waits for its batch (<= 100)")
-    p.add_argument("--mode", choices=["dynamic", "window"], default=d.mode,
-                   help="dynamic: work-conserving; window: naive fixed window (baseline)")
-    p.add_argument("--aging-ms", type=float, default=d.aging_ms, help="wait that raises a request one priority")
-    p.add_argument("--max-padding-ratio", type=float, default=d.max_padding_ratio,
-                   help="padded/real tokens a batch may reach (length bucketing)")
-    p.add_argument("--codel-target-ms", type=float, default=d.codel_target_ms)
-    p.add_argument("--codel-interval-ms", type=float, default=d.codel_interval_ms)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kinfer", description="Kafka-driven asynchronous inference")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -295,21 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--path", help="Hugging Face model directory")
     w.add_argument("--option", action="append", default=[], help="runner option key=value (repeatable)")
     w.add_argument("--weight", action="append", default=[], help="fair-share weight MODEL=W (default 1)")
-    w.add_argument("--device", default="auto")
-    add_policy_args(w)
-    w.add_argument("--session-timeout-ms", type=int, default=10_000)
-    w.add_argument("--instance-id", help="static group membership id (a restart rejoins without a rebalance)")
+    add_settings_args(w, BatchPolicy, POLICY_FLAGS)
+    add_settings_args(w, WorkerSettings, WORKER_FLAGS)
     w.add_argument("--worker-id", help="name in replies and logs (default: host-pid)")
-    w.add_argument("--fair-quantum-ms", type=float, default=50.0,
-                   help="co-located models: compute per turn, and the longest batch one may run")
-    w.add_argument("--threads", type=int,
-                   help="torch intra-op threads (default: CPUs in this process's affinity - 1, / --workers-per-host)")
-    w.add_argument("--workers-per-host", type=int, default=1, help="workers sharing this host's CPUs")
-    w.add_argument("--commit-interval-ms", type=int, default=100,
-                   help="commits are coalesced: at most one round this often (a crash replays at most this much)")
-    w.add_argument("--fetch-max-wait-ms", type=int, default=50, help="how long the broker holds an empty fetch")
-    w.add_argument("--metrics-port", type=int)
-    w.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     w.add_argument("--create-topics", action="store_true", help="create the models' topics first")
     w.add_argument("--partitions", type=int, default=3, help="with --create-topics")
     w.set_defaults(func=cmd_worker)

@@ -8,7 +8,7 @@ Two runtimes serve the same weights (the ``runtime`` option):
 * ``torch``: the model in eager PyTorch.
 * ``onnx``: the encoder and the pooling exported to ONNX from those weights at first use, cached on
   disk, and run by ONNX Runtime. CPU only. On a 2-core CPU with one intra-op thread each it served
-  all-MiniLM-L6-v2 ~1.6x faster than torch eager at batch 1 (~1.2x at batch 8), tokenisation included.
+  all-MiniLM-L6-v2 1.5-1.9x faster than torch eager at batch 1 (1.15-1.25x at batch 8), tokenisation included.
   Every load checks it against torch (cosine >= ``ONNX_MIN_COSINE`` per output) and falls back to
   torch, with a warning, when it disagrees or cannot be exported.
 * ``auto`` (default): ``onnx`` on CPU when onnxruntime is installed and the model is an encoder, else torch.
