@@ -6,7 +6,6 @@ import asyncio
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 from typing import Any, cast
@@ -14,7 +13,7 @@ from typing import Any, cast
 from consumers.runners import BatchRunner, build_runner, resolve_model
 from consumers.runners.generator import GenInput, Sampling
 from consumers.runners.registry import minilm_path
-from ops.load import make_texts, open_loop, paced, percentile
+from ops.load import make_texts, open_loop, percentile
 from ops.procs import scrape, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
@@ -263,86 +262,4 @@ def _drive_generation(runner: Any, sched: Any, workload: list[tuple[float, Any]]
         "latency_p95_ms": round(percentile(latency, 95), 1),
         "steps": steps,
         "completed": len(done),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The gateway's cost over the library
-
-
-def bench_gateway(rate: float = 100.0, seconds: float = 10.0, concurrency: int = 64) -> dict[str, Any]:
-    """Latency through the client library vs through the HTTP gateway, same no-op model, same rate;
-    then the gateway's throughput with ``concurrency`` requests always in flight."""
-    stack = LocalStack()
-    info, started = stack.up()
-    model = "bench-gw-noop"
-    worker = gateway = None
-    try:
-        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, 3)]))
-        worker = spawn_worker(info, model, "--family", "noop", log_path=os.path.join(info.home, "bench-gw-worker.log"))
-        port = free_port()
-        env = {**os.environ, **info.env()}
-        with open(os.path.join(info.home, "bench-gateway.log"), "ab") as log:
-            gateway = subprocess.Popen(
-                [sys.executable, "-m", "ops.cli", "gateway", "--port", str(port)], env=env, stdout=log, stderr=log
-            )
-        return asyncio.run(_gateway_runs(info, model, f"http://127.0.0.1:{port}", rate, seconds, concurrency))
-    finally:
-        for proc in (gateway, worker):
-            if proc is not None:
-                stop_process(proc)
-        if started:
-            stack.down()
-
-
-async def _gateway_runs(
-    info: StackInfo, model: str, url: str, rate: float, seconds: float, concurrency: int
-) -> dict[str, Any]:
-    import httpx
-
-    texts = make_texts(int(rate * seconds), seed=21)
-    async with Client(info.bootstrap, info.redis_url, tenant="bench") as client, httpx.AsyncClient(
-        base_url=url, timeout=30, limits=httpx.Limits(max_connections=concurrency * 2)
-    ) as http:
-        await wait_until_served(client, model)
-        for _ in range(300):  # the gateway process is up when it answers
-            try:
-                if (await http.get("/healthz")).status_code == 200:
-                    break
-            except httpx.TransportError:
-                await asyncio.sleep(0.1)
-        library = await open_loop(client, model, texts, rate, poisson=True, deadline_ms=10_000)
-
-        async def over_http(text: str) -> None:
-            r = await http.post(f"/v1/models/{model}/infer", json={"inputs": [text]})
-            r.raise_for_status()
-
-        http_ms: list[float] = []
-
-        async def timed(text: str, scheduled: float) -> None:
-            await over_http(text)
-            http_ms.append((time.monotonic() - scheduled) * 1000)
-
-        await paced(texts, rate, timed, poisson=True, seed=5)
-
-        done = 0
-        stop_at = time.perf_counter() + seconds
-
-        async def hammer() -> None:
-            nonlocal done
-            while time.perf_counter() < stop_at:
-                await over_http("x")
-                done += 1
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(hammer() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - t0
-    lib = [o.latency_ms for o in library.ok]
-    lib_p50, http_p50 = percentile(lib, 50), percentile(http_ms, 50)
-    return {
-        "model": "noop (no compute: the pipeline alone)", "rate_rps": rate, "seconds": seconds,
-        "library": {"p50_ms": round(lib_p50, 2), "p99_ms": round(percentile(lib, 99), 2)},
-        "http": {"p50_ms": round(http_p50, 2), "p99_ms": round(percentile(http_ms, 99), 2),
-                 "max_rps": round(done / elapsed, 1), "concurrency": concurrency},
-        "added_p50_ms": round(http_p50 - lib_p50, 2),
     }

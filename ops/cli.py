@@ -130,7 +130,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
     bootstrap, redis_url = resolve_endpoints()
-    specs = tuple(resolve_model(name, args.family, args.path, _options(args.option)) for name in args.model)
+    options = {**_options(args.option), **({"runtime": args.runtime} if args.runtime else {})}
+    specs = tuple(resolve_model(name, args.family, args.path, options) for name in args.model)
     weights = {name: float(w) for name, w in (_options(args.weight) or {}).items()}
     settings = WorkerSettings(
         models=specs,
@@ -253,18 +254,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ops.bench import bench_batching, bench_gateway, bench_generation, bench_model
+    from ops.bench import bench_batching, bench_generation, bench_model
 
     if args.bench == "model":
         report = bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds)
-    elif args.bench == "gateway":
-        report = bench_gateway(rate=args.rate, seconds=args.seconds, concurrency=args.concurrency)
     elif args.bench == "generation":
         report = bench_generation(requests=args.requests, rate=args.rate, max_running=args.max_running)
     elif args.bench == "serve":
         from ops.serve import bench_serve
 
-        report = bench_serve(model=args.model, alone_seconds=args.alone_seconds, seconds_per_step=args.seconds)
+        report = bench_serve(model=args.model, alone_seconds=args.alone_seconds, seconds_per_step=args.seconds,
+                             partitions=args.partitions)
     elif args.bench == "transport":
         from ops.transport import bench_transport
 
@@ -312,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--weight", action="append", default=[], help="fair-share weight MODEL=W (default 1)")
     add_settings_args(w, BatchPolicy, POLICY_FLAGS)
     add_settings_args(w, WorkerSettings, WORKER_FLAGS)
+    w.add_argument("--runtime", choices=["auto", "torch", "onnx"],
+                   help="encoder models on CPU: auto = ONNX Runtime when installed (1.5-1.9x torch at batch 1 here)")
     w.add_argument("--worker-id", help="name in replies and logs (default: host-pid)")
     w.add_argument("--create-topics", action="store_true", help="create the models' topics first")
     w.add_argument("--partitions", type=int, default=3, help="with --create-topics")
@@ -374,12 +376,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sim: a simulated accelerator (15 ms a batch + 0.5 ms an input)")
     bb.add_argument("--max-rps", type=float, default=256.0, help="upper end of the rate search")
     bb.set_defaults(func=cmd_bench)
-    bw = bs.add_parser("gateway", help="the gateway's added latency over the library, and its max rps (noop model)")
-    bw.add_argument("--json", action="store_true", help="one line of JSON")
-    bw.add_argument("--rate", type=float, default=100.0)
-    bw.add_argument("--seconds", type=float, default=10.0)
-    bw.add_argument("--concurrency", type=int, default=64)
-    bw.set_defaults(func=cmd_bench)
     bg = bs.add_parser("generation", help="continuous vs static batching on a mixed generation workload")
     bg.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
     bg.add_argument("--requests", type=int, default=96)
@@ -391,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--model", default="minilm")
     bv.add_argument("--alone-seconds", type=float, default=8.0, help="per layout of the model alone")
     bv.add_argument("--seconds", type=float, default=10.0, help="per rate step through the gateway")
+    bv.add_argument("--partitions", type=int, default=6, help="per request topic (a multiple of the workers)")
     bv.set_defaults(func=cmd_bench)
     bt = bs.add_parser("transport", help="the pipeline's own cost: max rate at the SLA and CPU per request per process")
     bt.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")

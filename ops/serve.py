@@ -24,28 +24,29 @@ from typing import Any
 from ops.bench import SLA_P95_MS, SLA_P99_MS, _log
 from ops.load import make_texts
 from ops.procs import spawn, spawn_worker, stop_process
-from ops.stack import LocalStack, free_port
+from ops.stack import LocalStack, StackInfo, free_port
 from ops.transport import _LoadGen, _wait_http, _wait_served, cpu_seconds
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 SLA_MIN_OK = 0.99
-# (processes, torch threads each, batch size): the layouts the model alone is tried in.
-LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 8), (2, 1, 8))
+# (processes, threads each, batch size) × runtime: the layouts the model alone is tried in.
+LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 8))
+RUNTIMES = ("torch", "onnx")
 TEXT_WORDS = (5, 60)
 
 
-def _alone_process(model: str, threads: int, batch: int, seconds: float, start_at: float) -> None:
-    """One process of the model-alone measurement: prints its sequences per second."""
-    import torch
-
+def _alone_process(model: str, runtime: str, threads: int, batch: int, seconds: float) -> None:
+    """One process of the model-alone measurement: loads, says so, waits for "go", prints seq/s."""
     from consumers.runners import BatchRunner, build_runner, resolve_model
+    from consumers.runners.base import set_threads
 
-    torch.set_num_threads(threads)
-    runner: BatchRunner = build_runner(resolve_model(model))  # type: ignore[assignment]
+    runner: BatchRunner = build_runner(resolve_model(model, options={"runtime": runtime}))  # type: ignore[assignment]
+    set_threads(threads)
     runner.load()
     runner.warmup()
     texts = make_texts(1024, *TEXT_WORDS, seed=os.getpid())
-    time.sleep(max(0.0, start_at - time.time()))  # every process of a layout starts together
+    print(json.dumps({"ready": getattr(runner, "runtime", "torch")}), flush=True)
+    sys.stdin.readline()  # every process of a layout starts together
     done, i, t0 = 0, 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         runner.run([texts[(i + k) % len(texts)] for k in range(batch)])
@@ -55,49 +56,79 @@ def _alone_process(model: str, threads: int, batch: int, seconds: float, start_a
 
 
 def model_alone(model: str, seconds: float) -> dict[str, float]:
-    """Sequences/s of each layout (all its processes together)."""
+    """Sequences/s of each layout (all its processes together), by runtime."""
     out: dict[str, float] = {}
-    for procs, threads, batch in LAYOUTS:
-        start_at = time.time() + 25.0  # loading torch and the model takes a while on a busy box
-        cmd = [sys.executable, "-m", "ops.serve", "alone", model, str(threads), str(batch), str(seconds),
-               str(start_at)]
-        children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(procs)]
-        rates = [json.loads(child.communicate()[0])["seq_per_s"] for child in children]
-        name = f"{procs}x{threads}t-b{batch}"
-        out[name] = round(sum(rates), 1)
-        _log(f"  alone {name}: {out[name]} seq/s")
+    for runtime in RUNTIMES:
+        for procs, threads, batch in LAYOUTS:
+            cmd = [sys.executable, "-m", "ops.serve", "alone", model, runtime, str(threads), str(batch), str(seconds)]
+            children = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                        for _ in range(procs)]
+            served = {json.loads(c.stdout.readline())["ready"] for c in children}  # type: ignore[union-attr]
+            for child in children:
+                child.stdin.write("go\n")  # type: ignore[union-attr]
+                child.stdin.flush()  # type: ignore[union-attr]
+            rates = [json.loads(child.communicate()[0])["seq_per_s"] for child in children]
+            name = f"{runtime}:{procs}x{threads}t-b{batch}"
+            out[name] = round(sum(rates), 1)
+            _log(f"  alone {name}: {out[name]} seq/s (served by {', '.join(sorted(served))})")
     return out
 
 
 def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_step: float = 10.0,
-                fractions: tuple[float, ...] = (0.5, 0.65, 0.75, 0.85, 0.9, 0.95, 1.0, 1.1)) -> dict[str, Any]:
+                fractions: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0),
+                partitions: int = 6) -> dict[str, Any]:
+    """``partitions`` per request topic: a multiple of the worker count, or the group splits unevenly
+    (3 partitions over 2 workers: one serves twice the other's load).
+
+    Through the gateway, two worker layouts are tried: the model's best layout alone, and its best
+    single-process layout (which leaves cores to the transport); the better one counts.
+    """
     _log("the model alone")
     alone = model_alone(model, alone_seconds)
     best = max(alone, key=lambda k: alone[k])
-    procs, threads = int(best.split("x")[0]), int(best.split("x")[1].split("t")[0])
+    single = max((k for k in alone if k.split(":")[1].startswith("1x")), key=lambda k: alone[k])
     report: dict[str, Any] = {
         "model": model, "texts": f"{TEXT_WORDS[0]}-{TEXT_WORDS[1]} words, Poisson arrivals", "cpus": os.cpu_count(),
-        "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK},
+        "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK}, "partitions": partitions,
         "model_alone_seq_per_s": alone, "model_alone_best_rps": alone[best], "model_alone_config": best,
-        "workers": {"processes": procs, "threads": threads},
+        "through_gateway": {},
     }
     stack = LocalStack()
     info, started = stack.up()
-    served = f"bench-serve-{model}"
-    workers: list[subprocess.Popen[bytes]] = []
-    gateway = None
     try:
-        import asyncio
+        for layout in dict.fromkeys([best, single]):
+            rate, steps = _through_gateway(info, model, layout, alone[best], fractions, seconds_per_step, partitions)
+            report["through_gateway"][layout] = {"max_rps_at_sla": rate, "steps": steps}
+    finally:
+        if started:
+            stack.down()
+    chosen = max(report["through_gateway"], key=lambda k: report["through_gateway"][k]["max_rps_at_sla"])
+    report["gateway_config"] = chosen
+    report["gateway_max_rps_at_sla"] = report["through_gateway"][chosen]["max_rps_at_sla"]
+    report["ratio"] = round(report["gateway_max_rps_at_sla"] / alone[best], 3)
+    return report
 
-        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(served, 3)]))
-        from consumers.runners import resolve_model
 
-        spec = resolve_model(model)
-        flags = ["--family", spec.family, *(["--path", spec.path] if spec.path else []), "--threads", str(threads),
-                 "--workers-per-host", str(procs)]
-        for i in range(procs):
-            workers.append(spawn_worker(info, served, *flags,
-                                        log_path=os.path.join(info.home, f"bench-serve-worker{i}.log")))
+def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float, fractions: tuple[float, ...],
+                     seconds: float, partitions: int) -> tuple[float, list[dict[str, Any]]]:
+    """Workers in ``layout`` (e.g. ``onnx:2x1t-b1``), a gateway, and the open-loop sweep through it."""
+    import asyncio
+
+    from consumers.runners import resolve_model
+
+    runtime, shape = layout.split(":")
+    procs, threads = int(shape.split("x")[0]), int(shape.split("x")[1].split("t")[0])
+    served = f"bench-serve-{model}"
+    asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(served, partitions)]))
+    spec = resolve_model(model)
+    flags = ["--family", spec.family, *(["--path", spec.path] if spec.path else []), "--threads", str(threads),
+             "--workers-per-host", str(procs), "--runtime", runtime]
+    workers = [spawn_worker(info, served, *flags, log_path=os.path.join(info.home, f"bench-serve-worker{i}.log"))
+               for i in range(procs)]
+    gateway = None
+    steps: list[dict[str, Any]] = []
+    best_rate = 0.0
+    try:
         asyncio.run(_wait_served(info, served))
         port = free_port()
         gateway = spawn(info, "gateway", "--port", str(port), log_path=os.path.join(info.home, "bench-serve-gw.log"))
@@ -105,16 +136,15 @@ def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_s
         _wait_http(url)
         gen = _LoadGen(info, "http", os.path.join(info.home, "bench-serve-loadgen.log"), url=url, model=served,
                        extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
-        _log(f"through the gateway ({procs} worker(s) x {threads} thread(s))")
-        steps, best_rate = [], 0.0
+        _log(f"through the gateway: {layout} ({procs} worker(s) x {threads} thread(s))")
         pids = {"client": gen.proc.pid, "gateway": gateway.pid, "broker": info.kafka_pid, "redis": info.redis_pid,
                 **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
         try:
-            gen.step(alone[best] * 0.3, 5.0, seed=99)  # warm-up, not counted
+            gen.step(alone_best * 0.2, 5.0, seed=99)  # warm-up, not counted
             for i, fraction in enumerate(fractions):
-                rate = round(alone[best] * fraction, 1)
+                rate = round(alone_best * fraction, 1)
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                out = gen.step(rate, seconds_per_step, seed=i + 1)
+                out = gen.step(rate, seconds, seed=i + 1)
                 cpu = {name: round(cpu_seconds(pid) - before[name], 2) for name, pid in pids.items()}
                 meets = (out["ok_fraction"] >= SLA_MIN_OK and out["p95_ms"] is not None and out["p99_ms"] is not None
                          and out["p95_ms"] < SLA_P95_MS and out["p99_ms"] < SLA_P99_MS)
@@ -126,17 +156,12 @@ def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_s
                 best_rate = rate
         finally:
             gen.close()
-        report["gateway_max_rps_at_sla"] = best_rate
-        report["ratio"] = round(best_rate / alone[best], 3)
-        report["steps"] = steps
     finally:
         for proc in [gateway, *workers]:
             if proc is not None:
                 stop_process(proc)
-        if started:
-            stack.down()
-    return report
+    return best_rate, steps
 
 
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "alone":
-    _alone_process(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))
+    _alone_process(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))

@@ -94,10 +94,15 @@ def _sweep(gen: _LoadGen, pids: dict[str, int], rates: tuple[float, ...], second
            metrics_port: int) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
-    for i, rate in enumerate(rates):
+    # A failing rate is tried once more before the sweep stops: on a shared two-core box one stall
+    # of a few hundred milliseconds decides a 10 s step's p99. Both tries are in the report.
+    tries = [(i, rate, attempt) for i, rate in enumerate(rates) for attempt in (1, 2)]
+    for i, rate, attempt in tries:
+        if attempt == 2 and (not steps or steps[-1]["meets_sla"]):
+            continue
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         scraped = scrape(metrics_port)
-        out = gen.step(rate, seconds, seed=i + 1)
+        out = gen.step(rate, seconds, seed=10 * i + attempt)
         spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
         out["worker"] = _worker_means(scraped, scrape(metrics_port))
         answered = max(1, out["ok"] + sum(n for k, n in out["errors"].items() if k != "lost"))
@@ -107,15 +112,17 @@ def _sweep(gen: _LoadGen, pids: dict[str, int], rates: tuple[float, ...], second
         meets = (out["ok_fraction"] >= SLA_MIN_OK and p95 is not None and p99 is not None
                  and p95 < SLA_P95_MS and p99 < SLA_P99_MS)
         step = {**out, "answered_rps": round(answered / out["elapsed_s"], 1), "cpu_ms_per_request": cpu,
-                "meets_sla": meets}
+                "meets_sla": meets, "attempt": attempt}
         steps.append(step)
         print(f"  {rate:7.0f}/s ok={out['ok_fraction']:.4f} p50={out['p50_ms']} p95={p95} p99={p99} "
               f"cpu/req={cpu} {'pass' if meets else 'FAIL'} {out['worker']}",
               file=sys.stderr, flush=True)
-        if not meets:
-            break
-        best = step
         time.sleep(1.0)
+        if not meets:
+            if attempt == 2:
+                break
+            continue
+        best = step
     return {
         "max_rps_at_sla": best["rate"] if best else 0.0,
         "cpu_ms_per_request": best["cpu_ms_per_request"] if best else None,
