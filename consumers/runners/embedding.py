@@ -190,6 +190,9 @@ class EmbeddingRunner:
         opts.intra_op_num_threads = torch.get_num_threads()
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # ORT's pool spins while it waits for work by default: with a few requests a second, two
+        # threads burnt 1.5 cores in a worker (bench serve); the cores belong to the transport too.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3  # errors only: its warnings about pruned initializers are noise
         session = ort.InferenceSession(str(entry / "model.onnx"), opts, providers=["CPUExecutionProvider"])
