@@ -27,19 +27,18 @@ def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None 
 
 
 def scrape(port: int) -> dict[str, float]:
-    """A worker's Prometheus metrics, each name summed over its labels (0 when unreachable)."""
+    """A worker's Prometheus metrics, each sample name summed over its labels (empty when unreachable)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
             text = resp.read().decode()
     except OSError:
         return {}
     totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        totals[name] = totals.get(name, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
 

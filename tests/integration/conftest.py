@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import subprocess
 import sys
 import time
@@ -19,15 +18,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 pytestmark = pytest.mark.integration
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @pytest.fixture(scope="session")
@@ -89,15 +86,12 @@ class WorkerProcess:
                 text = resp.read().decode()
         except OSError:
             return 0.0
-        total = 0.0
-        for line in text.splitlines():
-            match = _SAMPLE.match(line)
-            if match is None or match["name"] != name:
-                continue
-            found = dict(_LABEL.findall(match["labels"] or ""))
-            if all(found.get(k) == v for k, v in labels.items()):
-                total += float(match["value"])
-        return total
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
 
     async def wait_metric(self, name: str, at_least: float, timeout_s: float = 120.0, **labels: str) -> None:
         deadline = time.monotonic() + timeout_s
