@@ -1,8 +1,9 @@
 """Per-batch statistics to the telemetry stream (``kinfer.stats``), off the serving path.
 
-The dispatch loop only appends to a bounded buffer; a background task sends what is there every
-``interval_s``. Telemetry is best effort: when the buffer is full the oldest records go, and a
-broker error costs the records of one flush, never a request.
+The dispatch loop only adds each batch to a per-flush sum (one per model, size bucket, kind and
+outcome); a background task turns the sums into records and sends them every ``interval_s``.
+Telemetry is best effort: when the buffer is full the oldest records go, and a broker error costs
+the records of one flush, never a request.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter, deque
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from topics import now_ms
-from topics.stats import STATS_TOPIC, BatchStats
+from topics.stats import STATS_TOPIC, BatchStats, size_bucket
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +33,28 @@ class StatsReporter:
         self.dropped = 0
         self._buffer: deque[BatchStats] = deque(maxlen=max_buffered)
         self._shed: dict[str, Counter[str]] = {}  # model -> reason -> count, not yet reported
+        # (model, size bucket, step, failed) -> [inputs, requests, tokens, compute ms, predicted ms,
+        # errors, batches] since the last flush
+        self._sums: dict[tuple[str, int, bool, bool], list[Any]] = {}
+        self._max_keys = 4_096
 
     def batch(self, model: str, size: int, requests: int, tokens: int, compute_s: float, predicted_s: float = 0.0,
               errors: int = 0, step: bool = False) -> None:
-        self._append(BatchStats(
-            model=model, worker=self.worker, at_ms=now_ms(), size=size, requests=requests, tokens=tokens,
-            compute_ms=round(compute_s * 1000.0, 3), predicted_ms=round(predicted_s * 1000.0, 3), errors=errors,
-            shed=dict(self._shed.pop(model, {})), step=step,
-        ))
+        """Add one batch (or step) to its model's sum for this flush: per flush, not per batch."""
+        key = (model, size_bucket(size), step, errors > 0)
+        total = self._sums.get(key)
+        if total is None:
+            if len(self._sums) >= self._max_keys:  # models × buckets × kinds: bounded, but say so
+                self.dropped += 1
+                return
+            total = self._sums[key] = [0, 0, 0, 0.0, 0.0, 0, 0]
+        total[0] += size
+        total[1] += requests
+        total[2] += tokens
+        total[3] += compute_s * 1000.0
+        total[4] += predicted_s * 1000.0
+        total[5] += errors
+        total[6] += 1
 
     def shed(self, model: str, reason: str, count: int = 1) -> None:
         self._shed.setdefault(model, Counter())[reason] += count
@@ -48,10 +64,18 @@ class StatsReporter:
             self.dropped += 1
         self._buffer.append(stats)
 
-    def _flush_sheds(self) -> None:
-        """Sheds with no batch to ride on (everything refused) go out on their own."""
+    def _records(self) -> None:
+        """This flush's sums become records; sheds ride on their model's first, else go alone."""
+        at = now_ms()
+        sums, self._sums = self._sums, {}
+        for (model, _, step, _), (size, requests, tokens, compute_ms, predicted_ms, errors, batches) in sums.items():
+            self._append(BatchStats(
+                model=model, worker=self.worker, at_ms=at, size=size, requests=requests, tokens=tokens,
+                compute_ms=round(compute_ms, 3), predicted_ms=round(predicted_ms, 3), errors=errors,
+                shed=dict(self._shed.pop(model, {})), step=step, batches=batches,
+            ))
         for model in list(self._shed):
-            self._append(BatchStats(model=model, worker=self.worker, at_ms=now_ms(), shed=dict(self._shed.pop(model))))
+            self._append(BatchStats(model=model, worker=self.worker, at_ms=at, shed=dict(self._shed.pop(model))))
 
     async def run(self, producer: AIOKafkaProducer, stop: asyncio.Event) -> None:
         while True:
@@ -65,7 +89,7 @@ class StatsReporter:
                 return
 
     async def flush(self, producer: AIOKafkaProducer) -> None:
-        self._flush_sheds()
+        self._records()
         records = list(self._buffer)
         self._buffer.clear()
         if not records:

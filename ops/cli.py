@@ -120,6 +120,10 @@ def _flag_type(hint: Any) -> tuple[Any, list[str] | None]:
     return hint, None
 
 
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
 def settings_from_args(args: argparse.Namespace, flags: dict[str, str]) -> dict[str, Any]:
     return {name: getattr(args, name) for name in flags}
 
@@ -202,7 +206,7 @@ def cmd_lagmon(args: argparse.Namespace) -> int:
 
     bootstrap, redis_url = resolve_endpoints()
     monitor = LagMonitor(bootstrap, redis_url, models=args.model or None, interval_s=args.interval_s,
-                         policy=HealthPolicy())
+                         policy=HealthPolicy(commit_interval_ms=args.commit_interval_ms))
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -337,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("lagmon", help="consumer lag → health state per model, published for producers to obey")
     m.add_argument("--model", action="append", default=[], help="models to watch (default: all)")
     m.add_argument("--interval-s", type=float, default=0.5)
+    m.add_argument("--commit-interval-ms", type=float, default=_default(WorkerSettings, "commit_interval_ms"),
+                   help="the workers' --commit-interval-ms: that much answered traffic is lag, not queue [%(default)s]")
     m.add_argument("--metrics-port", type=int)
     m.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     m.set_defaults(func=cmd_lagmon)

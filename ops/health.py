@@ -27,6 +27,9 @@ class HealthPolicy:
     min_dwell_s: float = 2.0  # ...held for this long
     smoothing_s: float = 2.0  # time constant of the exponential smoothing
     capacity_smoothing_s: float = 0.5  # ... of the capacity estimate (busy intervals only)
+    # The workers commit every this often (their --commit-interval-ms): up to that much answered
+    # traffic still counts as lag between two commits, and is not a queue.
+    commit_interval_ms: float = 100.0
 
     def __post_init__(self) -> None:
         if not 0 < self.degraded_wait_ms < self.shedding_wait_ms < self.rejecting_wait_ms:
@@ -59,6 +62,7 @@ class HealthEstimator:
         self._drain_primed = False
         self._capacity_known = False  # given by the caller: not estimated from offsets
         self._stalled_since: float | None = None  # waiting records and nothing drained since then
+        self._last_arrival = (0, 0.0)  # records written in the last poll interval, and their rate
         self._now = 0.0
 
     def observe(
@@ -82,7 +86,9 @@ class HealthEstimator:
         if self._last is not None and now > self._last[0]:
             dt = now - self._last[0]
             alpha = 1.0 - math.exp(-dt / self.policy.smoothing_s)
-            arrival = max(0, log_end_total - self._last[1]) / dt
+            arrived = max(0, log_end_total - self._last[1])
+            arrival = arrived / dt
+            self._last_arrival = (arrived, arrival)
             drained = max(0, committed_total - self._last[2])
             # The first slope is the best estimate there is (no ramp from 0); for the drain rate, the
             # first slope of work actually done: an idle start says nothing about how fast it goes.
@@ -95,7 +101,7 @@ class HealthEstimator:
             if self._last[3] > 0 or drained > 0:  # something to drain: an idle spell says nothing of speed
                 self.drain_rps += (alpha if self._drain_primed else 1.0) * (drained / dt - self.drain_rps)
                 self._drain_primed = True
-            if self._last[3] > drained > 0 and not self._capacity_known:  # busy all interval long
+            if self._queued(self._last[3]) > drained > 0 and not self._capacity_known:  # busy all interval long
                 self._observe_capacity(drained / dt, dt)
             if drained > 0 or self.lag == 0 or progressing:
                 self._stalled_since = None
@@ -128,9 +134,20 @@ class HealthEstimator:
         stalled_ms = 0.0 if self._stalled_since is None else 1000.0 * (self._now - self._stalled_since)
         # A measured capacity stands; an estimated one is a floor under the drain rate.
         rate = self.capacity_rps if self._capacity_known else max(self.capacity_rps, self.drain_rps)
+        arrived, arrival = self._last_arrival
+        if self.lag <= arrived:
+            # Less lag than one poll's arrivals is work in flight, not a standing queue: it goes at
+            # the rate it comes (smoothed rates still ramp up from an idle spell).
+            rate = max(rate, arrival)
         if rate <= 1e-6:
             return stalled_ms
-        return max(1000.0 * self.lag / rate, stalled_ms)
+        return max(1000.0 * self._queued(self.lag) / rate, stalled_ms)
+
+    def _queued(self, lag: int) -> float:
+        """Of ``lag``, what is really waiting: records answered since the workers' last commit still
+        count as lag (commits are coalesced) — up to a commit interval of traffic, at the rate records
+        come in or go out (the arrival rate is the one known from the first poll)."""
+        return max(0.0, lag - max(self.drain_rps, self.arrival_rps) * self.policy.commit_interval_ms / 1000.0)
 
     def _update_level(self, now: float) -> None:
         target = Level.OK

@@ -98,16 +98,17 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
             except MalformedRecord as exc:
                 log.warning("skipping a malformed stats record: %s", exc)
                 continue
+            n = max(1, s.batches)  # a record sums this many batches of one size bucket
             if s.size:
                 seen[f"{s.model}|{s.worker}"] = s.at_ms
             if s.size and s.step:
-                steps[s.model] += 1
+                steps[s.model] += n
             elif s.size and not s.errors:  # a failed batch served nothing, and its time says nothing
-                key = f"{s.model}|{size_bucket(s.size)}"
+                key = f"{s.model}|{size_bucket(round(s.size / n))}"
                 inputs[s.model] += s.size
                 requests[s.model] += s.requests
-                batches[s.model] += 1
-                service_n[key] += 1
+                batches[s.model] += n
+                service_n[key] += n
                 service_ms[key] += s.compute_ms
             for reason, n in s.shed.items():
                 shed[f"{s.model}|{reason}"] += n

@@ -1,7 +1,9 @@
 """Telemetry: what workers report per batch, and what the telemetry stream makes of it.
 
-Workers publish one ``BatchStats`` per batch (or generation step) to ``kinfer.stats``, keyed by
-model; records that only carry sheds go out when work is refused without any batch running. The
+Workers publish ``BatchStats`` to ``kinfer.stats``, keyed by model: every flush (a quarter of a
+second), one record per model, batch-size bucket, kind (batch or generation step) and outcome,
+summing the batches it stands for; records that only carry sheds go out when work is refused
+without any batch running. The
 telemetry stream processor (``ops.telemetry``, faust) keeps windowed per-model tables of them and
 publishes a ``ModelStats`` summary per model to Redis (``kinfer:stats:<model>``), where the lag
 monitor (service time for admission) and ``kinfer status`` read it.
@@ -41,6 +43,10 @@ class BatchStats(Record, frozen=True):
     errors: int = 0  # requests the batch failed
     shed: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> requests refused since the last record
     step: bool = False  # a generation step (size: sequences in it), not a one-shot batch
+    # How many batches (or steps) this record sums: a worker reports per flush, not per batch, one
+    # record per model, size bucket, kind and outcome; size, requests, tokens, compute_ms,
+    # predicted_ms and errors are then totals over them. Absent in older records: one batch.
+    batches: int = 1
 
 
 class ModelStats(Record, frozen=True):
