@@ -321,7 +321,8 @@ class GenCore(EngineCore):
         plan = self.scheduler.schedule(now)
         replies = [r for s, why in plan.evict if (r := self._ended(s.id, why)) is not None]
         self._drops += [s.id for s, _ in plan.evict]  # until the runner has dropped them
-        self._report_batch()
+        if plan.evict or plan.admit:  # the running batch changed before the step (complete reports after it)
+            self._report_batch()
         if not (plan.admit or plan.decode or self._drops):
             return Plan(None, replies)
         admit = [self._take_prompt(s.id) for s in plan.admit]

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter, deque
-from typing import Any
+from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -21,6 +21,28 @@ from topics import now_ms
 from topics.stats import STATS_TOPIC, BatchStats, size_bucket
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Sum:
+    """The batches of one model, size bucket, kind and outcome since the last flush (one record)."""
+
+    size: int = 0
+    requests: int = 0
+    tokens: int = 0
+    compute_ms: float = 0.0
+    predicted_ms: float = 0.0
+    errors: int = 0
+    batches: int = 0
+
+    def add(self, size: int, requests: int, tokens: int, compute_ms: float, predicted_ms: float, errors: int) -> None:
+        self.size += size
+        self.requests += requests
+        self.tokens += tokens
+        self.compute_ms += compute_ms
+        self.predicted_ms += predicted_ms
+        self.errors += errors
+        self.batches += 1
 
 
 class StatsReporter:
@@ -33,9 +55,7 @@ class StatsReporter:
         self.dropped = 0
         self._buffer: deque[BatchStats] = deque(maxlen=max_buffered)
         self._shed: dict[str, Counter[str]] = {}  # model -> reason -> count, not yet reported
-        # (model, size bucket, step, failed) -> [inputs, requests, tokens, compute ms, predicted ms,
-        # errors, batches] since the last flush
-        self._sums: dict[tuple[str, int, bool, bool], list[Any]] = {}
+        self._sums: dict[tuple[str, int, bool, bool], _Sum] = {}  # (model, bucket, step, failed), this flush
         self._max_keys = 4_096
 
     def batch(self, model: str, size: int, requests: int, tokens: int, compute_s: float, predicted_s: float = 0.0,
@@ -47,14 +67,8 @@ class StatsReporter:
             if len(self._sums) >= self._max_keys:  # models × buckets × kinds: bounded, but say so
                 self.dropped += 1
                 return
-            total = self._sums[key] = [0, 0, 0, 0.0, 0.0, 0, 0]
-        total[0] += size
-        total[1] += requests
-        total[2] += tokens
-        total[3] += compute_s * 1000.0
-        total[4] += predicted_s * 1000.0
-        total[5] += errors
-        total[6] += 1
+            total = self._sums[key] = _Sum()
+        total.add(size, requests, tokens, compute_s * 1000.0, predicted_s * 1000.0, errors)
 
     def shed(self, model: str, reason: str, count: int = 1) -> None:
         self._shed.setdefault(model, Counter())[reason] += count
@@ -68,11 +82,11 @@ class StatsReporter:
         """This flush's sums become records; sheds ride on their model's first, else go alone."""
         at = now_ms()
         sums, self._sums = self._sums, {}
-        for (model, _, step, _), (size, requests, tokens, compute_ms, predicted_ms, errors, batches) in sums.items():
+        for (model, _, step, _), t in sums.items():
             self._append(BatchStats(
-                model=model, worker=self.worker, at_ms=at, size=size, requests=requests, tokens=tokens,
-                compute_ms=round(compute_ms, 3), predicted_ms=round(predicted_ms, 3), errors=errors,
-                shed=dict(self._shed.pop(model, {})), step=step, batches=batches,
+                model=model, worker=self.worker, at_ms=at, size=t.size, requests=t.requests, tokens=t.tokens,
+                compute_ms=round(t.compute_ms, 3), predicted_ms=round(t.predicted_ms, 3), errors=t.errors,
+                shed=dict(self._shed.pop(model, {})), step=step, batches=t.batches,
             ))
         for model in list(self._shed):
             self._append(BatchStats(model=model, worker=self.worker, at_ms=at, shed=dict(self._shed.pop(model))))

@@ -25,7 +25,7 @@ import json
 import random
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -132,34 +132,45 @@ class _HttpConnection(asyncio.Protocol):
 
 
 class HttpPool:
+    """At most ``max_connections`` keep-alive connections; a caller with none free waits its turn."""
+
     def __init__(self, host: str, port: int, max_connections: int) -> None:
         self.host, self.port, self.max = host, port, max_connections
         self._idle: list[_HttpConnection] = []
         self._open = 0
-        self._queue: asyncio.Queue[_HttpConnection] = asyncio.Queue()
+        self._waiting: deque[asyncio.Future[_HttpConnection | None]] = deque()
 
     async def _get(self) -> _HttpConnection:
-        while self._idle:
-            conn = self._idle.pop()
-            if conn.alive:
-                return conn
-            self._open -= 1
-        if self._open < self.max:
-            self._open += 1
-            try:
-                _, conn = await asyncio.get_running_loop().create_connection(_HttpConnection, self.host, self.port)
-            except OSError:
+        while True:
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.alive:
+                    return conn
                 self._open -= 1
-                raise
-            return conn
-        return await self._queue.get()
+            if self._open < self.max:
+                self._open += 1
+                try:
+                    _, conn = await asyncio.get_running_loop().create_connection(
+                        _HttpConnection, self.host, self.port)
+                except OSError:
+                    self._open -= 1
+                    raise
+                return conn
+            turn: asyncio.Future[_HttpConnection | None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(turn)
+            handed = await turn  # a connection, or None: one closed, so there is room to open one
+            if handed is not None:
+                return handed
 
     def _put(self, conn: _HttpConnection) -> None:
         if not conn.alive:
             self._open -= 1
-        elif self._queue._getters:  # type: ignore[attr-defined]  # someone waits: hand it over
-            self._queue.put_nowait(conn)
-        else:
+        while self._waiting:  # someone waits: hand it over (or tell it there is room)
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(conn if conn.alive else None)
+                return
+        if conn.alive:
             self._idle.append(conn)
 
     async def post(self, data: bytes) -> tuple[int, bytes]:

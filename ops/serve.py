@@ -25,7 +25,7 @@ from ops.bench import SLA_P95_MS, SLA_P99_MS, _log
 from ops.load import make_texts
 from ops.procs import spawn, spawn_worker, stop_process
 from ops.stack import LocalStack, StackInfo, free_port
-from ops.transport import _LoadGen, _wait_http, _wait_served, cpu_seconds
+from ops.transport import _LoadGen, _sweep, _wait_http, _wait_served
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 SLA_MIN_OK = 0.99
@@ -126,8 +126,6 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
     workers = [spawn_worker(info, served, *flags, log_path=os.path.join(info.home, f"bench-serve-worker{i}.log"))
                for i in range(procs)]
     gateway = None
-    steps: list[dict[str, Any]] = []
-    best_rate = 0.0
     try:
         asyncio.run(_wait_served(info, served))
         port = free_port()
@@ -141,26 +139,15 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
                 **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
         try:
             gen.step(alone_best * 0.2, 5.0, seed=99)  # warm-up, not counted
-            for i, fraction in enumerate(fractions):
-                rate = round(alone_best * fraction, 1)
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                out = gen.step(rate, seconds, seed=i + 1)
-                cpu = {name: round(cpu_seconds(pid) - before[name], 2) for name, pid in pids.items()}
-                meets = (out["ok_fraction"] >= SLA_MIN_OK and out["p95_ms"] is not None and out["p99_ms"] is not None
-                         and out["p95_ms"] < SLA_P95_MS and out["p99_ms"] < SLA_P99_MS)
-                steps.append({**out, "cpu_s": cpu, "meets_sla": meets})
-                _log(f"  {rate:6.1f}/s ok={out['ok_fraction']:.3f} p95={out['p95_ms']} p99={out['p99_ms']} "
-                     f"cpu_s={cpu} {'pass' if meets else 'FAIL'}")
-                if not meets:
-                    break
-                best_rate = rate
+            rates = tuple(round(alone_best * f, 1) for f in fractions)
+            swept = _sweep(gen, pids, rates, seconds, min_ok=SLA_MIN_OK)
         finally:
             gen.close()
     finally:
         for proc in [gateway, *workers]:
             if proc is not None:
                 stop_process(proc)
-    return best_rate, steps
+    return float(swept["max_rps_at_sla"]), swept["steps"]
 
 
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "alone":

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ops.bench import SLA_P95_MS, SLA_P99_MS
+from ops.bench import SLA_P95_MS, SLA_P99_MS, meets_sla
 from ops.procs import scrape, spawn, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
@@ -91,7 +91,9 @@ def _worker_means(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 def _sweep(gen: _LoadGen, pids: dict[str, int], rates: tuple[float, ...], seconds: float,
-           metrics_port: int) -> dict[str, Any]:
+           metrics_port: int | None = None, min_ok: float = SLA_MIN_OK) -> dict[str, Any]:
+    """Open-loop steps at each rate, up to the first that misses the SLA (twice): latency, and the CPU
+    each process in ``pids`` spent per request answered; where the worker went, from ``metrics_port``."""
     steps: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     # A failing rate is tried once more before the sweep stops: on a shared two-core box one stall
@@ -101,21 +103,20 @@ def _sweep(gen: _LoadGen, pids: dict[str, int], rates: tuple[float, ...], second
         if attempt == 2 and (not steps or steps[-1]["meets_sla"]):
             continue
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        scraped = scrape(metrics_port)
+        scraped = scrape(metrics_port) if metrics_port else {}
         out = gen.step(rate, seconds, seed=10 * i + attempt)
         spent = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-        out["worker"] = _worker_means(scraped, scrape(metrics_port))
+        if metrics_port:
+            out["worker"] = _worker_means(scraped, scrape(metrics_port))
         answered = max(1, out["ok"] + sum(n for k, n in out["errors"].items() if k != "lost"))
         cpu = {name: round(s * 1000.0 / answered, 4) for name, s in spent.items()}
         cpu["total"] = round(sum(cpu.values()), 4)
-        p95, p99 = out["p95_ms"], out["p99_ms"]
-        meets = (out["ok_fraction"] >= SLA_MIN_OK and p95 is not None and p99 is not None
-                 and p95 < SLA_P95_MS and p99 < SLA_P99_MS)
+        meets = meets_sla(out["ok_fraction"], out["p95_ms"], out["p99_ms"], min_ok)
         step = {**out, "answered_rps": round(answered / out["elapsed_s"], 1), "cpu_ms_per_request": cpu,
                 "meets_sla": meets, "attempt": attempt}
         steps.append(step)
-        print(f"  {rate:7.0f}/s ok={out['ok_fraction']:.4f} p50={out['p50_ms']} p95={p95} p99={p99} "
-              f"cpu/req={cpu} {'pass' if meets else 'FAIL'} {out['worker']}",
+        print(f"  {rate:7.1f}/s ok={out['ok_fraction']:.4f} p50={out['p50_ms']} p95={out['p95_ms']} "
+              f"p99={out['p99_ms']} cpu/req={cpu} {'pass' if meets else 'FAIL'} {out.get('worker', '')}",
               file=sys.stderr, flush=True)
         time.sleep(1.0)
         if not meets:

@@ -27,7 +27,6 @@ ENVELOPE_VERSION: Final = 1
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
-_ID_RE = re.compile(ID_PATTERN)
 
 RequestId = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
 ModelName = Annotated[str, msgspec.Meta(pattern=MODEL_PATTERN)]

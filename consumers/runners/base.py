@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Protocol
 
 from consumers.runners.sampling import GenInput, TokenEvent
@@ -68,8 +69,6 @@ def default_threads(workers_per_host: int = 1) -> int:
 
 def set_threads(threads: int | None, workers_per_host: int = 1) -> int | None:
     """Size torch's intra-op pool (``None``: ``default_threads``); returns it, or None without torch."""
-    import sys
-
     torch = sys.modules.get("torch")  # a family without torch (noop) never imports it
     if torch is None:
         return None

@@ -21,6 +21,7 @@ from consumers.cores import BatchCore, GenCore, Job, Outcome, Outgoing, Plan, Wo
 from consumers.observer import BatchFacts, Observer, StepFacts
 from consumers.runners import ModelSpec
 from consumers.runners.generator import GeneratorRunner, GenInput, TokenEvent
+from consumers.runners.noop import NoopRunner
 from topics import Chunk, InvalidRequest, Priority, Request, Result, Status
 from topics.envelope import ReplyRoute
 
@@ -60,23 +61,12 @@ class RecordingObserver(Observer):
         return [args for n, args in self.calls if n == name]
 
 
-class FakeBatchRunner:
-    """A one-shot model: each output names its input; a batch holding "boom" fails as a whole."""
-
-    family = "noop"
-    device = "cpu"
+class FakeBatchRunner(NoopRunner):
+    """The noop model, recording its calls: each output names its input; a batch holding "boom" fails."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls: list[list[str]] = []
-
-    def load(self) -> None:
-        pass
-
-    def warmup(self) -> None:
-        pass
-
-    def count_tokens(self, text: str) -> int:
-        return 1 + len(text) // 4
 
     def run(self, texts: list[str]) -> list[Any]:
         self.calls.append(list(texts))
