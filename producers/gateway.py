@@ -6,21 +6,27 @@
     GET  /v1/models                   models with request topics
     POST /v1/embeddings               OpenAI-compatible
     POST /v1/completions              OpenAI-compatible (``stream: true`` for SSE)
-    GET  /healthz  /readyz  /metrics  /openapi.json
+    GET  /healthz  /readyz  /metrics  /openapi.json  /docs
 
 Every request goes through the same ``Client`` (same validation, same typed errors), under the
 tenant its API key names (``Authorization: Bearer <key>`` or ``X-API-Key``), after that tenant's
 token bucket, at no better than its priority ceiling. Errors map to status codes in one place
-(``_STATUS``): invalid → 400 (422 for a body that does not parse), unknown model → 404, rate
-limit or overload → 429 / shed → 503 with ``Retry-After``, deadline → 504, Kafka/Redis down → 503.
-A client deadline travels from ``X-Request-Timeout-Ms`` or the body's ``timeout_ms``.
+(``_STATUS``): invalid → 400 (422 for a body that does not parse or match its schema, 413 over
+``MAX_BODY_BYTES``), unknown model → 404, rate limit or overload → 429 / shed → 503 with
+``Retry-After``, deadline → 504, Kafka/Redis down → 503; every error body is
+``{"error": {"type", "message", "field"?}}``. A client deadline travels from ``X-Request-Timeout-Ms``
+or the body's ``timeout_ms``.
+
+Starlette routes and msgspec bodies (``producers.http``): the OpenAPI document is generated from the
+route table below, so what is documented is what is served.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import gc
-import json
+import logging
 import struct
 import time
 import uuid
@@ -30,13 +36,17 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import Depends, FastAPI, Header, Request, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from msgspec import Meta
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from producers import metrics
 from producers.client import Client
+from producers.http import BadBody, Doc, decode, docs_page, error_body, json_response, openapi, read_body
 from producers.tenants import Tenant, Tenants
 from topics import (
     Chunk,
@@ -52,9 +62,12 @@ from topics import (
     UnknownModel,
 )
 
+log = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT_MS = 30_000
 MIN_TIMEOUT_MS = 1_000  # below this an HTTP round trip plus a forward pass is not a fair promise
 MAX_TIMEOUT_MS = 600_000
+WS_IN_FLIGHT = 64  # requests one WebSocket may have outstanding; more wait for a slot
 
 REQUESTS = Counter("kinfer_gateway_requests_total", "Gateway requests", ["tenant", "route", "code"])
 LATENCY = Histogram(
@@ -78,6 +91,10 @@ class RateLimited(Overloaded):
     """The tenant's token bucket is empty."""
 
 
+class _Unauthorized(Exception):
+    pass
+
+
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
     bootstrap: str
@@ -85,47 +102,57 @@ class GatewaySettings:
     tenants: Tenants | None = None  # None: no authentication (local use only)
 
 
-# -- request bodies ---------------------------------------------------------------------------
+# -- request bodies (validated by msgspec while parsing) -------------------------------------
+
+Text = Annotated[str, Meta(max_length=16_384)]
+Texts = Annotated[Text | list[Text], Meta(description="one text or a list")]
+PriorityField = Annotated[int, Meta(ge=0, le=2, description="0 interactive, 1 standard, 2 batch")]
+TimeoutField = Annotated[int, Meta(ge=MIN_TIMEOUT_MS, le=MAX_TIMEOUT_MS, description="deadline, ms from now")]
+Params = Annotated[dict[str, str | int | float | bool | None], Meta(max_length=32)]
+ModelName = Annotated[str, Meta(min_length=1, max_length=63)]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-PriorityField = Annotated[int, Field(ge=0, le=2, description="0 interactive, 1 standard, 2 batch")]
-TimeoutField = Annotated[int, Field(ge=MIN_TIMEOUT_MS, le=MAX_TIMEOUT_MS, description="deadline, ms from now")]
-Scalar = str | int | float | bool | None
-
-
-class InferBody(_Body):
-    inputs: str | list[Annotated[str, Field(max_length=16_384)]] = Field(description="one text or a list")
+class InferBody(msgspec.Struct, forbid_unknown_fields=True):
+    inputs: Texts
     priority: PriorityField = 1
     timeout_ms: TimeoutField | None = None
-    params: dict[str, Scalar] = Field(default_factory=dict, max_length=32)
+    params: Params = {}
 
 
-class StreamBody(_Body):
-    prompt: str = Field(max_length=16_384)
+class StreamBody(msgspec.Struct, forbid_unknown_fields=True):
+    prompt: Text
     priority: PriorityField = 1
     timeout_ms: TimeoutField | None = None
-    params: dict[str, Scalar] = Field(default_factory=dict, max_length=32)
+    params: Params = {}
 
 
-class EmbeddingsBody(BaseModel):
-    model: str = Field(max_length=63)
-    input: str | list[Annotated[str, Field(max_length=16_384)]]
+class WsMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One request on the WebSocket: an ``InferBody`` or (``stream: true``) a ``StreamBody``, and an ``id``."""
+
+    id: Annotated[str, Meta(max_length=128)] | int | None = None
+    stream: bool = False
+    inputs: Texts | None = None
+    prompt: Text | None = None
+    priority: PriorityField = 1
+    timeout_ms: TimeoutField | None = None
+    params: Params = {}
+
+
+class EmbeddingsBody(msgspec.Struct):  # OpenAI's: fields we do not know are ignored, as its servers do
+    model: ModelName
+    input: Texts
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 
 
-class CompletionsBody(BaseModel):
-    model: str = Field(max_length=63)
-    prompt: str = Field(max_length=16_384)
-    max_tokens: int = Field(default=16, ge=1, le=4096)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+class CompletionsBody(msgspec.Struct):
+    model: ModelName
+    prompt: Text
+    max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**62)
+    seed: Annotated[int, Meta(ge=0, le=2**62)] | None = None
     stream: bool = False
     user: str | None = None
 
@@ -133,36 +160,44 @@ class CompletionsBody(BaseModel):
 # -- the app ----------------------------------------------------------------------------------
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    state: dict[str, Client] = {}
+class _Gateway:
+    """The endpoints, over one ``Client`` started with the app."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self._client: Client | None = None
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = Client(settings.bootstrap, settings.redis_url, tenant="gateway")
-        await client.start()
-        state["client"] = client
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._client = Client(self.settings.bootstrap, self.settings.redis_url, tenant="gateway")
+        await self._client.start()
         gc.collect()
         gc.freeze()  # the app's long-lived objects leave the cyclic GC's scans (~37 ms a full collection)
         try:
             yield
         finally:
-            await client.close()
+            await self._client.close()
 
-    app = FastAPI(title="kinfer gateway", version="1", lifespan=lifespan)
-    app.state.tenants = settings.tenants
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            raise Unavailable("the gateway is starting")
+        return self._client
 
-    def client() -> Client:
-        return state["client"]
+    # -- who, how often, how urgent --
 
-    @app.exception_handler(_Unauthorized)
-    async def _unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
-        return JSONResponse({"error": {"type": "unauthorized", "message": "missing or unknown API key"}}, 401,
-                            headers={"WWW-Authenticate": "Bearer"})
+    def authenticate(self, headers: Any) -> Tenant | None:
+        """The caller's tenant from its API key; None when the gateway runs without tenants."""
+        tenants = self.settings.tenants
+        if tenants is None:
+            return None
+        key = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
+        found = tenants.authenticate(key)
+        if found is None:
+            raise _Unauthorized()
+        return found
 
-    @app.exception_handler(KinferError)
-    async def _kinfer_error(request: Request, exc: KinferError) -> JSONResponse:
-        return error_response(exc)
-
+    @staticmethod
     def admit(who: Tenant | None, route: str) -> str:
         """Rate limit; returns the tenant name for metrics and the envelope."""
         if who is None:
@@ -173,119 +208,179 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise RateLimited(f"tenant {who.name!r} is over its rate of {who.rate_per_s}/s", retry_after_s=wait)
         return who.name
 
+    @staticmethod
     def priority_for(who: Tenant | None, asked: int) -> Priority:
         p = Priority(asked)
         return who.clamp(p) if who is not None else p
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    @staticmethod
+    def timeout_header(request: Request) -> int | None:
+        raw = request.headers.get("x-request-timeout-ms")
+        if raw is None:
+            return None
+        if not raw.isdigit() or not MIN_TIMEOUT_MS <= int(raw) <= MAX_TIMEOUT_MS:
+            raise BadBody(f"X-Request-Timeout-Ms must be an integer in [{MIN_TIMEOUT_MS}, {MAX_TIMEOUT_MS}]",
+                          "X-Request-Timeout-Ms")
+        return int(raw)
 
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        status = await client().ping()
-        models = await client().models() if status["kafka"] else []
+    # -- probes --
+
+    async def healthz(self, request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        status = await self.client.ping()
+        models = await self.client.models() if status["kafka"] else []
         ready = status["kafka"] and status["redis"] and bool(models)
-        return JSONResponse({**status, "models": models, "ready": ready}, 200 if ready else 503)
+        return json_response({**status, "models": models, "ready": ready}, 200 if ready else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(who: Who) -> dict[str, Any]:
-        names = await client().models()
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kinfer"} for m in names]}
+    async def models(self, request: Request) -> Response:
+        self.authenticate(request.headers)
+        names = await self.client.models()
+        return json_response(
+            {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kinfer"} for m in names]}
+        )
 
-    @app.post("/v1/models/{model}/infer")
-    async def infer(model: str, body: InferBody, who: Who, timeout_ms: TimeoutHeader = None) -> dict[str, Any]:
-        name = admit(who, "infer")
-        with LATENCY.labels(name, "infer").time():
-            result = await client().infer(
-                model, body.inputs, priority=priority_for(who, body.priority),
-                deadline_ms=timeout_ms or body.timeout_ms or DEFAULT_TIMEOUT_MS, params=body.params, tenant=name,
-            )
+    # -- the native API --
+
+    async def infer(self, request: Request) -> Response:
+        who = self.authenticate(request.headers)
+        body = decode(await read_body(request), InferBody)
+        timeout_ms = self.timeout_header(request)
+        name = self.admit(who, "infer")
+        started = time.perf_counter()
+        result = await self.client.infer(
+            request.path_params["model"], body.inputs, priority=self.priority_for(who, body.priority),
+            deadline_ms=timeout_ms or body.timeout_ms or DEFAULT_TIMEOUT_MS, params=body.params, tenant=name,
+        )
+        LATENCY.labels(name, "infer").observe(time.perf_counter() - started)
         REQUESTS.labels(name, "infer", "200").inc()
-        return result_json(result)
+        return json_response(result_json(result))
 
-    @app.post("/v1/models/{model}/stream")
-    async def stream(model: str, body: StreamBody, who: Who, timeout_ms: TimeoutHeader = None) -> StreamingResponse:
-        name = admit(who, "stream")
-        chunks = client().stream(
-            model, body.prompt, priority=priority_for(who, body.priority),
+    async def stream(self, request: Request) -> Response:
+        who = self.authenticate(request.headers)
+        body = decode(await read_body(request), StreamBody)
+        timeout_ms = self.timeout_header(request)
+        name = self.admit(who, "stream")
+        chunks = self.client.stream(
+            request.path_params["model"], body.prompt, priority=self.priority_for(who, body.priority),
             deadline_ms=timeout_ms or body.timeout_ms or DEFAULT_TIMEOUT_MS, params=body.params, tenant=name,
         )
         first = await _first(chunks)  # errors before the first chunk still get a status code
         REQUESTS.labels(name, "stream", "200").inc()
-        return StreamingResponse(_sse(first, chunks, chunk_json), media_type="text/event-stream")
+        return _sse_response(_sse(first, chunks, chunk_json))
 
-    @app.websocket("/v1/models/{model}/ws")
-    async def websocket(ws: WebSocket, model: str) -> None:
+    async def websocket(self, ws: WebSocket) -> None:
+        """Requests in, results and chunks out; several requests in flight at once, answers as they finish.
+
+        A text frame that is not a request gets an error message (the socket stays open); a binary frame
+        closes the socket with 1003 (unsupported data).
+        """
         await ws.accept()
-        key = ws.headers.get("x-api-key") or ws.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        who = settings.tenants.authenticate(key) if settings.tenants is not None else None
-        if settings.tenants is not None and who is None:
+        try:
+            who = self.authenticate(ws.headers)
+        except _Unauthorized:
             await ws.close(code=4401, reason="missing or unknown API key")
             return
+        model = ws.path_params["model"]
+        sending = asyncio.Lock()
+        slots = asyncio.Semaphore(WS_IN_FLIGHT)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def send(payload: dict[str, Any]) -> None:
+            async with sending:
+                await ws.send_text(json_text(payload))
+
+        async def serve(message: WsMessage) -> None:
+            try:
+                await self._ws_request(model, message, who, send)
+            finally:
+                slots.release()
+
         try:
             while True:
-                message = await ws.receive_json()
-                await _ws_request(ws, model, message, who)
+                frame = await ws.receive()
+                if frame["type"] == "websocket.disconnect":
+                    break
+                text = frame.get("text")
+                if text is None:
+                    await ws.close(code=1003, reason="send requests as JSON text frames")
+                    break
+                try:
+                    message = decode(text, WsMessage)
+                except BadBody as exc:
+                    await send({"id": None, "code": 422, **error_body("invalid", str(exc)[:2000], exc.field)})
+                    continue
+                await slots.acquire()
+                task = asyncio.create_task(serve(message))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
         except WebSocketDisconnect:
-            return
+            pass
+        finally:
+            for task in tasks:
+                task.cancel()
 
-    async def _ws_request(ws: WebSocket, model: str, message: Any, who: Tenant | None) -> None:
-        rid = str(message.get("id") or uuid.uuid4().hex) if isinstance(message, dict) else uuid.uuid4().hex
+    async def _ws_request(self, model: str, message: WsMessage, who: Tenant | None, send: Any) -> None:
+        rid = str(message.id) if message.id is not None else uuid.uuid4().hex
         try:
-            name = admit(who, "ws")
-            if not isinstance(message, dict):
-                raise InvalidRequest("each message must be a JSON object", "message")
-            streaming = bool(message.get("stream", False))
-            body = (StreamBody if streaming else InferBody).model_validate(
-                {k: v for k, v in message.items() if k not in ("id", "stream")}
-            )
-            deadline = body.timeout_ms or DEFAULT_TIMEOUT_MS
-            if isinstance(body, StreamBody):
-                async for chunk in client().stream(model, body.prompt, priority=priority_for(who, body.priority),
-                                                   deadline_ms=deadline, params=body.params, tenant=name):
-                    await ws.send_json({**chunk_json(chunk), "id": rid, "request_id": chunk.id})
+            name = self.admit(who, "ws")
+            deadline = message.timeout_ms or DEFAULT_TIMEOUT_MS
+            priority = self.priority_for(who, message.priority)
+            if message.stream:
+                if message.prompt is None:
+                    raise BadBody("a stream request needs a prompt", "prompt")
+                async for chunk in self.client.stream(model, message.prompt, priority=priority, deadline_ms=deadline,
+                                                      params=message.params, tenant=name):
+                    await send({**chunk_json(chunk), "id": rid, "request_id": chunk.id})
             else:
-                result = await client().infer(model, body.inputs, priority=priority_for(who, body.priority),
-                                              deadline_ms=deadline, params=body.params, tenant=name)
-                await ws.send_json({**result_json(result), "id": rid, "request_id": result.id})
+                if message.inputs is None:
+                    raise BadBody("a request needs inputs", "inputs")
+                result = await self.client.infer(model, message.inputs, priority=priority, deadline_ms=deadline,
+                                                 params=message.params, tenant=name)
+                await send({**result_json(result), "id": rid, "request_id": result.id})
         except KinferError as exc:
             code, payload, _ = error_payload(exc)
-            await ws.send_json({"id": rid, "code": code, **payload})
-        except ValueError as exc:  # pydantic's ValidationError is one
-            await ws.send_json({"id": rid, "code": 422, "error": {"type": "invalid", "message": str(exc)[:2000]}})
+            await send({"id": rid, "code": code, **payload})
+        except BadBody as exc:
+            await send({"id": rid, "code": 422, **error_body("invalid", str(exc), exc.field)})
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingsBody, who: Who, timeout_ms: TimeoutHeader = None) -> dict[str, Any]:
-        name = admit(who, "embeddings")
+    # -- OpenAI-compatible --
+
+    async def embeddings(self, request: Request) -> Response:
+        who = self.authenticate(request.headers)
+        body = decode(await read_body(request), EmbeddingsBody)
+        timeout_ms = self.timeout_header(request)
+        name = self.admit(who, "embeddings")
         inputs = [body.input] if isinstance(body.input, str) else body.input
-        with LATENCY.labels(name, "embeddings").time():
-            result = await client().infer(body.model, inputs, deadline_ms=timeout_ms or DEFAULT_TIMEOUT_MS,
-                                          priority=priority_for(who, 1), tenant=name)
+        started = time.perf_counter()
+        result = await self.client.infer(body.model, inputs, deadline_ms=timeout_ms or DEFAULT_TIMEOUT_MS,
+                                         priority=self.priority_for(who, 1), tenant=name)
+        LATENCY.labels(name, "embeddings").observe(time.perf_counter() - started)
         if not all(isinstance(v, list) for v in result.outputs):
             raise InvalidRequest(f"model {body.model!r} does not produce embeddings", "model")
         REQUESTS.labels(name, "embeddings", "200").inc()
         tokens = sum(len(t.split()) for t in inputs)
+
         def encode(vector: list[float]) -> list[float] | str:
             if body.encoding_format == "base64":  # what the openai package asks for: float32, little-endian
                 return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
             return vector
 
-        return {
+        return json_response({
             "object": "list", "model": body.model,
             "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(result.outputs)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        })
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(
-        body: CompletionsBody, who: Who, timeout_ms: TimeoutHeader = None
-    ) -> dict[str, Any] | StreamingResponse:
-        name = admit(who, "completions")
+    async def completions(self, request: Request) -> Response:
+        who = self.authenticate(request.headers)
+        body = decode(await read_body(request), CompletionsBody)
+        timeout_ms = self.timeout_header(request)
+        name = self.admit(who, "completions")
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         params: dict[str, Any] = {"max_new_tokens": body.max_tokens, "temperature": body.temperature,
                                   "top_p": body.top_p, "seed": body.seed}
@@ -295,8 +390,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         created = int(time.time())
         cid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            chunks = client().stream(body.model, body.prompt, priority=priority_for(who, 1), deadline_ms=deadline,
-                                     params=params, tenant=name)
+            chunks = self.client.stream(body.model, body.prompt, priority=self.priority_for(who, 1),
+                                        deadline_ms=deadline, params=params, tenant=name)
             first = await _first(chunks)
             REQUESTS.labels(name, "completions", "200").inc()
 
@@ -305,46 +400,80 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                         "choices": [{"text": c.text, "index": 0, "logprobs": None,
                                      "finish_reason": _finish(c.finish) if c.final else None}]}
 
-            return StreamingResponse(_sse(first, chunks, openai_chunk), media_type="text/event-stream")
-        with LATENCY.labels(name, "completions").time():
-            result = await client().infer(body.model, [body.prompt], priority=priority_for(who, 1),
-                                          deadline_ms=deadline, params=params, tenant=name)
+            return _sse_response(_sse(first, chunks, openai_chunk))
+        started = time.perf_counter()
+        result = await self.client.infer(body.model, [body.prompt], priority=self.priority_for(who, 1),
+                                         deadline_ms=deadline, params=params, tenant=name)
+        LATENCY.labels(name, "completions").observe(time.perf_counter() - started)
         out = result.outputs[0] if result.outputs else None
         if not isinstance(out, dict) or "text" not in out:
             raise InvalidRequest(f"model {body.model!r} is not a generative model", "model")
         REQUESTS.labels(name, "completions", "200").inc()
-        return {
+        return json_response({
             "id": cid, "object": "text_completion", "created": created, "model": body.model,
             "choices": [{"text": out["text"], "index": 0, "logprobs": None, "finish_reason": _finish(out["finish"])}],
             "usage": {"prompt_tokens": out["prompt_tokens"], "completion_tokens": out["completion_tokens"],
                       "total_tokens": out["prompt_tokens"] + out["completion_tokens"]},
-        }
-
-    return app
+        })
 
 
-class _Unauthorized(Exception):
-    pass
+def create_app(settings: GatewaySettings) -> Starlette:
+    gw = _Gateway(settings)
+    table: list[tuple[str, str, Any, Doc]] = [
+        ("GET", "/healthz", gw.healthz, Doc("liveness", auth=False)),
+        ("GET", "/readyz", gw.readyz, Doc("readiness: Kafka, Redis and at least one model",
+                                          responses={503: "not ready"}, auth=False)),
+        ("GET", "/metrics", gw.metrics, Doc("Prometheus metrics", auth=False)),
+        ("GET", "/v1/models", gw.models, Doc("models with request topics")),
+        ("POST", "/v1/models/{model}/infer", gw.infer, Doc("one result", InferBody, _ERRORS, timeout_header=True)),
+        ("POST", "/v1/models/{model}/stream", gw.stream,
+         Doc("generation as Server-Sent Events", StreamBody, _ERRORS, stream=True, timeout_header=True)),
+        ("POST", "/v1/embeddings", gw.embeddings,
+         Doc("OpenAI-compatible embeddings", EmbeddingsBody, _ERRORS, timeout_header=True)),
+        ("POST", "/v1/completions", gw.completions,
+         Doc("OpenAI-compatible completions (stream: true for SSE)", CompletionsBody, _ERRORS, timeout_header=True)),
+    ]
+    document = openapi("kinfer gateway", "1", [(m, p, d) for m, p, _, d in table], (MIN_TIMEOUT_MS, MAX_TIMEOUT_MS))
+
+    async def openapi_json(request: Request) -> Response:
+        return json_response(document)
+
+    async def docs(request: Request) -> Response:
+        return docs_page("kinfer gateway")
+
+    routes: list[Any] = [Route(path, endpoint, methods=[method]) for method, path, endpoint, _ in table]
+    routes += [Route("/openapi.json", openapi_json, methods=["GET"]), Route("/docs", docs, methods=["GET"]),
+               WebSocketRoute("/v1/models/{model}/ws", gw.websocket)]
+    return Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={
+        KinferError: _kinfer_error, BadBody: _bad_body, _Unauthorized: _unauthorized, Exception: _internal,
+    })
 
 
-async def _tenant(
-    request: Request,
-    authorization: Annotated[str | None, Header()] = None,
-    x_api_key: Annotated[str | None, Header()] = None,
-) -> Tenant | None:
-    """The caller's tenant from its API key; None when the gateway runs without tenants."""
-    tenants: Tenants | None = request.app.state.tenants
-    if tenants is None:
-        return None
-    key = x_api_key or (authorization.removeprefix("Bearer ").strip() if authorization else None)
-    found = tenants.authenticate(key)
-    if found is None:
-        raise _Unauthorized()
-    return found
+_ERRORS = {400: "invalid request", 404: "unknown model", 429: "rate limited or overloaded (Retry-After)",
+           502: "the model failed", 503: "shed or unavailable (Retry-After)", 504: "deadline exceeded"}
 
 
-Who = Annotated[Tenant | None, Depends(_tenant)]
-TimeoutHeader = Annotated[int | None, Header(alias="X-Request-Timeout-Ms", ge=MIN_TIMEOUT_MS, le=MAX_TIMEOUT_MS)]
+async def _kinfer_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, KinferError)
+    code, payload, headers = error_payload(exc)
+    return json_response(payload, code, headers)
+
+
+async def _bad_body(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BadBody)
+    metrics.GATEWAY_ERRORS.labels(str(exc.status), "BadBody").inc()
+    return json_response(error_body("invalid", str(exc)[:2000], exc.field), exc.status)
+
+
+async def _unauthorized(request: Request, exc: Exception) -> Response:
+    return json_response(error_body("unauthorized", "missing or unknown API key"), 401,
+                         {"WWW-Authenticate": "Bearer"})
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    metrics.GATEWAY_ERRORS.labels("500", type(exc).__name__).inc()
+    return json_response(error_body("internal", "internal error"), 500)
 
 
 def _finish(reason: str | None) -> str:
@@ -353,13 +482,16 @@ def _finish(reason: str | None) -> str:
 
 def result_json(result: Result) -> dict[str, Any]:
     return {"id": result.id, "model": result.model, "status": result.status.value, "outputs": result.outputs,
-            "timings": msgspec.to_builtins(result.timings), "worker": result.worker}
+            "timings": result.timings, "worker": result.worker}
 
 
 def chunk_json(chunk: Chunk) -> dict[str, Any]:
     return {"id": chunk.id, "model": chunk.model, "seq": chunk.seq, "text": chunk.text, "tokens": chunk.tokens,
-            "final": chunk.final, "status": chunk.status, "finish": chunk.finish,
-            "usage": msgspec.to_builtins(chunk.usage)}
+            "final": chunk.final, "status": chunk.status, "finish": chunk.finish, "usage": chunk.usage}
+
+
+def json_text(payload: Any) -> str:
+    return msgspec.json.encode(payload).decode()
 
 
 def error_payload(exc: KinferError) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -374,16 +506,7 @@ def error_payload(exc: KinferError) -> tuple[int, dict[str, Any], dict[str, str]
     level = getattr(exc, "level", None)
     if level:
         headers["X-Kinfer-Degradation"] = level  # the model's health level that refused the request
-    error: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
-    field = getattr(exc, "field", None)
-    if field:
-        error["field"] = field
-    return code, {"error": error}, headers
-
-
-def error_response(exc: KinferError) -> JSONResponse:
-    code, payload, headers = error_payload(exc)
-    return JSONResponse(payload, code, headers=headers)
+    return code, error_body(type(exc).__name__, str(exc), getattr(exc, "field", None)), headers
 
 
 async def _first(chunks: AsyncIterator[Chunk]) -> Chunk:
@@ -393,15 +516,20 @@ async def _first(chunks: AsyncIterator[Chunk]) -> Chunk:
         raise Unavailable("the stream ended before its first chunk") from exc
 
 
+def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 async def _sse(first: Chunk, rest: AsyncIterator[Chunk], render: Any) -> AsyncIterator[bytes]:
     try:
-        yield f"data: {json.dumps(render(first))}\n\n".encode()
+        yield b"data: " + msgspec.json.encode(render(first)) + b"\n\n"
         if not first.final:
             async for chunk in rest:
-                yield f"data: {json.dumps(render(chunk))}\n\n".encode()
+                yield b"data: " + msgspec.json.encode(render(chunk)) + b"\n\n"
         yield b"data: [DONE]\n\n"
     except KinferError as exc:  # after the first byte the status is sent: report in-band
         _, payload, _ = error_payload(exc)
-        yield f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
+        yield b"event: error\ndata: " + msgspec.json.encode(payload) + b"\n\n"
     finally:
         await rest.aclose()  # type: ignore[attr-defined]

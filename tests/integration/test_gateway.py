@@ -218,3 +218,47 @@ async def test_schemathesis_finds_no_server_error(gateway: Served, tmp_path: Pat
     out, _ = await asyncio.wait_for(proc.communicate(), 240)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
+
+
+async def test_hostile_http_input_gets_4xx_never_a_server_error(gateway: Served) -> None:
+    url = f"/v1/models/{gateway.noop}/infer"
+    headers = {**auth(), "Content-Type": "application/json"}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        cases = {
+            b'{"inputs": "\\ud800"}': 422,  # a lone UTF-16 surrogate
+            b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}": 422,  # deep nesting
+            b"not json": 422,
+            b'{"inputs": "x", "unknown": [1, 2, 3]}': 422,
+            b"x" * (3 * 1_048_576): 413,  # over the body cap
+        }
+        for body, status in cases.items():
+            r = await http.post(url, content=body, headers=headers)
+            assert r.status_code == status, (body[:40], r.text[:200])
+            assert r.json()["error"]["type"] == "invalid"
+        r = await http.post(url, json={"inputs": "x"}, headers={**auth(), "X-Request-Timeout-Ms": "soon"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "X-Request-Timeout-Ms"
+        assert (await http.post(url, json={"inputs": "still served"}, headers=auth())).status_code == 200
+
+
+async def test_websocket_survives_bad_frames_and_answers_out_of_order(gateway: Served) -> None:
+    ws_url = gateway.url.replace("http", "ws")
+    async with websockets.connect(f"{ws_url}/v1/models/{gateway.noop}/ws", additional_headers=auth()) as ws:
+        for bad in ("not json", "[" * 100_000, json.dumps({"id": "z", "inputs": "x", "extra": {"a": 1}})):
+            await ws.send(bad)
+            assert json.loads(await ws.recv())["code"] == 422
+        await ws.send(json.dumps({"id": "ok", "inputs": "abc"}))
+        assert json.loads(await ws.recv())["outputs"] == [3]  # the socket still serves
+        await ws.send(b"\x00binary")
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1003
+    # A long stream does not hold up a short request sent after it on the same socket.
+    async with websockets.connect(f"{ws_url}/v1/models/{gateway.lm}/ws", additional_headers=auth()) as ws:
+        await ws.send(json.dumps({"id": "long", "stream": True, "prompt": "go", "params": {"max_new_tokens": 256}}))
+        await ws.send(json.dumps({"id": "short", "inputs": "go", "params": {"max_new_tokens": 1}}))
+        finished = []
+        while "long" not in finished:
+            message = json.loads(await ws.recv())
+            if message.get("final") or message["id"] == "short":
+                finished.append(message["id"])
+        assert finished == ["short", "long"]  # the short one was not queued behind the long one
