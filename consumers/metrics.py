@@ -31,6 +31,11 @@ SHED = Counter(
     ["model", "priority", "reason"],
 )
 DEAD_LETTERS = Counter("kinfer_dead_letters_total", "Records sent to the dead-letter topic", ["model", "field"])
+UNDELIVERED = Counter(
+    "kinfer_replies_undelivered_total",
+    "Replies that reached nobody and were not retried: no subscriber and no fallback topic, or no such reply topic",
+    ["model"],
+)
 BUFFERED = Gauge("kinfer_buffered_inputs", "Inputs fetched and waiting for a batch", ["model"])
 PAUSED = Gauge(
     "kinfer_partitions_paused", "1 while a priority's partitions are paused (the buffer reached its share)",

@@ -67,6 +67,9 @@ class Observer:
     def replied(self, model: str, outcomes: Counter[tuple[Priority, Status]]) -> None:
         """Terminal replies went out, counted by priority and status."""
 
+    def undelivered(self, model: str, replies: int) -> None:
+        """Replies that reached nobody and cannot be retried (no subscriber and no fallback, or no such topic)."""
+
     def buffered(self, model: str, inputs: int) -> None: ...
 
     def paused(self, model: str, priorities: set[Priority]) -> None:

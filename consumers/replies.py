@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
@@ -21,6 +22,52 @@ log = logging.getLogger(__name__)
 # ``truncated`` gives the original length): the copy plus its headers always fits the producer's
 # and the topic's limit, so one oversized poison record can never stop a worker.
 DLQ_MAX_COPY_BYTES = 512 * 1024
+MISSING_TOPIC_TTL_S = 10.0  # a reply topic found missing is believed missing this long
+METADATA_TIMEOUT_S = 5.0
+
+
+class ReplyTopics:
+    """Which reply topics exist, from cluster metadata: a reply is never retried against a topic that is not there.
+
+    A producer asked to send to an unknown topic waits for it up to its request timeout (40 s), and a
+    retry loop around that pins the request's partition for as long as its deadline allows. Here a topic
+    is looked up once (one metadata round trip, shared by concurrent askers); a missing one is
+    remembered for ``MISSING_TOPIC_TTL_S``, so intake can refuse requests routed to it before any
+    compute, and a topic created since is found at the next lookup.
+    """
+
+    def __init__(self, fetch_topics: Callable[[], Awaitable[Collection[str]]]) -> None:
+        self._fetch_topics = fetch_topics
+        self._known: set[str] = set()
+        self._missing: dict[str, float] = {}
+        self._lookup: asyncio.Task[None] | None = None
+
+    def known_missing(self, topic: str) -> bool:
+        return self._missing.get(topic, 0.0) > time.monotonic()
+
+    async def exists(self, topic: str) -> bool:
+        """False only when the broker said so; a lookup that fails counts as existing (retried as transient)."""
+        if topic in self._known:
+            return True
+        if self.known_missing(topic):
+            return False
+        if self._lookup is None or self._lookup.done():
+            self._lookup = asyncio.create_task(self._refresh())
+        try:
+            await asyncio.shield(self._lookup)
+        except (KafkaError, TimeoutError, OSError) as exc:
+            log.warning("reply topic lookup failed: %s", exc)
+            return True
+        if topic in self._known:
+            return True
+        now = time.monotonic()
+        if len(self._missing) >= 1024:  # names from a fuzzer: keep the live ones
+            self._missing = {t: until for t, until in self._missing.items() if until > now}
+        self._missing[topic] = now + MISSING_TOPIC_TTL_S
+        return False
+
+    async def _refresh(self) -> None:
+        self._known = set(await asyncio.wait_for(self._fetch_topics(), METADATA_TIMEOUT_S))
 
 
 class Delivery(NamedTuple):
@@ -40,13 +87,17 @@ class ReplySink:
     at all. Idempotent by request id on the receiving side, so publishing twice is harmless.
     """
 
-    def __init__(self, producer: AIOKafkaProducer, redis: aioredis.Redis) -> None:
+    def __init__(self, producer: AIOKafkaProducer, redis: aioredis.Redis, topics: ReplyTopics | None = None) -> None:
         self._producer = producer
         self._redis = redis
-        self.undelivered = 0  # replies that reached nobody and had no fallback topic
+        self.topics = topics or ReplyTopics(_topics_of(producer))
 
-    async def publish(self, replies: Sequence[Delivery]) -> None:
-        """Publish every reply; raises ``Unavailable`` if any could not go out (the caller retries)."""
+    async def publish(self, replies: Sequence[Delivery]) -> int:
+        """Publish every reply; raises ``Unavailable`` if any could not go out (the caller retries).
+
+        Returns how many reached nobody and cannot be retried: a PUBLISH with no subscriber and no
+        fallback topic, or a reply topic that does not exist.
+        """
         channels: dict[str, list[Delivery]] = {}
         to_kafka: list[tuple[str, Delivery]] = []
         for out in replies:
@@ -55,8 +106,18 @@ class ReplySink:
                 channels.setdefault(route.redis, []).append(out)
             else:
                 to_kafka.append((route.name, out))
+        undelivered = 0
         if channels:
-            to_kafka += await self._publish_redis(channels)
+            fallback, undelivered = await self._publish_redis(channels)
+            to_kafka += fallback
+        routable = []
+        for topic, out in to_kafka:
+            if await self.topics.exists(topic):
+                routable.append((topic, out))
+            else:
+                undelivered += 1
+                log.warning("reply for %s dropped: its reply topic %s does not exist", out.message.id, topic)
+        to_kafka = routable
         if to_kafka:
             try:
                 futures = [await self._producer.send(topic, pack(out.message), key=out.message.id.encode())
@@ -64,9 +125,11 @@ class ReplySink:
                 await asyncio.gather(*futures)
             except KafkaError as exc:
                 raise Unavailable(f"publishing {len(to_kafka)} replies to Kafka failed: {exc}") from exc
+        return undelivered
 
-    async def _publish_redis(self, channels: dict[str, list[Delivery]]) -> list[tuple[str, Delivery]]:
-        """Publish on Redis; returns the replies that must go to their fallback topics instead."""
+    async def _publish_redis(self, channels: dict[str, list[Delivery]]) -> tuple[list[tuple[str, Delivery]], int]:
+        """Publish on Redis; returns the replies that must go to their fallback topics instead, and how many
+        reached nobody and have no fallback."""
         messages: list[tuple[str, bytes, list[Delivery]]] = []
         for channel, outs in channels.items():
             batched = [o for o in outs if o.batchable]
@@ -84,8 +147,9 @@ class ReplySink:
             stranded = sum(1 for o in unsent if o.route.fallback_topic is None)
             if stranded:
                 raise Unavailable(f"Redis unreachable for {stranded} replies: {exc}") from exc
-            return [(o.route.kafka, o) for o in unsent]  # type: ignore[misc]
+            return [(o.route.kafka, o) for o in unsent], 0  # type: ignore[misc]
         fallback: list[tuple[str, Delivery]] = []
+        undelivered = 0
         for (_, _, outs), heard in zip(messages, receivers, strict=True):
             if heard:
                 continue
@@ -94,8 +158,8 @@ class ReplySink:
                 if topic is not None:
                     fallback.append((topic, o))
                 else:
-                    self.undelivered += 1  # its client is gone, and said where else to look: nowhere
-        return fallback
+                    undelivered += 1  # its client is gone, and said where else to look: nowhere
+        return fallback, undelivered
 
     async def dead_letter(self, value: bytes, reason: str, field: str | None, source: str) -> None:
         """Send a record that failed validation to the DLQ, with why and where it came from."""
@@ -111,3 +175,10 @@ class ReplySink:
             await self._producer.send_and_wait(DLQ_TOPIC, value, headers=headers)
         except KafkaError as exc:
             raise Unavailable(f"dead-lettering a record from {source} failed: {exc}") from exc
+
+
+def _topics_of(producer: AIOKafkaProducer) -> Callable[[], Awaitable[Collection[str]]]:
+    async def fetch() -> Collection[str]:
+        return (await producer.client.fetch_all_metadata()).topics()  # type: ignore[no-any-return]
+
+    return fetch

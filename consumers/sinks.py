@@ -51,6 +51,9 @@ class PrometheusSink(Observer):
         for (priority, status), n in outcomes.items():
             self._child(metrics.RESULTS, model, priority.label, status.value).inc(n)
 
+    def undelivered(self, model: str, replies: int) -> None:
+        self._child(metrics.UNDELIVERED, model).inc(replies)
+
     def buffered(self, model: str, inputs: int) -> None:
         self._child(metrics.BUFFERED, model).set(inputs)
 

@@ -94,7 +94,9 @@ class WorkerSettings:
     fetch_max_records: int = 500  # records per getmany()
     fetch_max_wait_ms: int = 50  # how long the broker holds a fetch that has no records yet
     commit_interval_ms: int = 100  # commits are coalesced: at most one round of them this often
-    session_timeout_ms: int = 10_000  # group liveness; a killed worker's partitions move after this
+    # Group liveness: a killed worker's partitions move after this. 6 s is the broker's default floor
+    # (group.min.session.timeout.ms); a graceful stop leaves the group at once and does not wait for it.
+    session_timeout_ms: int = 6_000
     heartbeat_interval_ms: int = 1_000
     max_poll_interval_ms: int = 300_000  # must exceed the slowest batch
     instance_id: str | None = None  # static group membership: a restart with the same id rejoins at once
@@ -123,6 +125,20 @@ class WorkerSettings:
         unknown = set(self.weights) - set(names)
         if unknown:
             raise ValueError(f"weights for models this worker does not host: {sorted(unknown)}")
+
+
+def _leave_on_stop(consumer: AIOKafkaConsumer) -> None:
+    """Make a static member (``instance_id``) leave its group when it stops, as a dynamic one does.
+
+    aiokafka never sends LeaveGroup for a static member, so a graceful restart left its partitions
+    idle for the whole session timeout. The broker removes a static member by its member id like any
+    other (LeaveGroup v0/v1, what aiokafka speaks), so the instance id is cleared before ``stop()``.
+    A crash still keeps the static identity: a restart within the session timeout takes its
+    partitions back without a rebalance.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is not None and hasattr(coordinator, "_group_instance_id"):
+        coordinator._group_instance_id = None
 
 
 @dataclass(eq=False)
@@ -234,6 +250,7 @@ class Worker:
             for feed in self.feeds.values():
                 if feed.consumer is not None:
                     with contextlib.suppress(KafkaError):
+                        _leave_on_stop(feed.consumer)
                         await feed.consumer.stop()  # leaves the group, so partitions move at once
             await producer.stop()
             await redis.aclose()
@@ -281,6 +298,9 @@ class Worker:
             request = decode_request(value, self.settings.limits)
             if request.model != feed.name:
                 raise InvalidRequest(f"model {request.model!r} sent to a topic of {feed.name!r}", "model")
+            route = request.reply
+            if route.redis is None and self._sink is not None and self._sink.topics.known_missing(route.name):
+                raise InvalidRequest(f"reply topic {route.name!r} does not exist", "reply")  # no compute for nobody
             queue_ms = max(0.0, wall - record.timestamp)
             job = Job(request, tp, record.offset, queue_ms, now, now + (request.deadline_ms - wall) / 1000.0)
             self.observer.fetched(feed.name, request.priority, queue_ms / 1000.0)
@@ -427,7 +447,8 @@ class Worker:
         backoff = Backoff()
         while True:
             try:
-                await self._sink.publish(deliveries)
+                if undelivered := await self._sink.publish(deliveries):
+                    self.observer.undelivered(feed.name, undelivered)
                 break
             except Unavailable as exc:
                 if now_ms() > give_up_ms:

@@ -43,7 +43,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
         print(fetch_kafka())
     elif args.action == "up":
         info, started = stack.up()
-        print(f"{'started' if started else 'reusing'} stack in {info.home}")
+        what = "started" if started else f"restarted {'+'.join(stack.restarted)} in" if stack.restarted else "reusing"
+        print(f"{what} stack in {info.home}")
         print(f"KINFER_BOOTSTRAP={info.bootstrap}\nKINFER_REDIS_URL={info.redis_url}")
     elif args.action == "down":
         print("stopped" if stack.down() else "nothing was running")
@@ -272,9 +273,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.bench == "transport":
         from ops.transport import bench_transport
 
-        report = bench_transport(seconds=args.seconds, library_rates=tuple(args.library_rates),
-                                 http_rates=tuple(args.http_rates), paths=tuple(args.path or ("library", "http")),
-                                 partitions=args.partitions)
+        rates = {k: tuple(v) for k, v in (("library_rates", args.library_rates), ("http_rates", args.http_rates)) if v}
+        report = bench_transport(seconds=args.seconds, paths=tuple(args.path or ("library", "http")),
+                                 partitions=args.partitions, **rates)
     elif args.bench == "overload":
         from ops.overload import bench_overload
 
@@ -399,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
     bt.add_argument("--seconds", type=float, default=10.0, help="per rate step")
     bt.add_argument("--path", action="append", choices=["library", "http"], help="default: both")
-    bt.add_argument("--library-rates", type=_floats, default=[500, 1000, 2000, 3000, 4000, 5000, 6000, 8000])
-    bt.add_argument("--http-rates", type=_floats, default=[250, 500, 1000, 1500, 2000, 3000])
+    bt.add_argument("--library-rates", type=_floats, help="requests/s, comma-separated (default: ops.transport's)")
+    bt.add_argument("--http-rates", type=_floats, help="requests/s, comma-separated (default: ops.transport's)")
     bt.add_argument("--partitions", type=int, default=3, help="per request topic")
     bt.set_defaults(func=cmd_bench)
     bo = bs.add_parser("overload", help="a 3x capacity surge with and without the health signal, side by side")

@@ -2,7 +2,8 @@
 
 Kafka's jars come from Maven Central through Maven (pinned version, cached under ``.cache/``);
 Redis is Debian's ``redis-server``. Both run as detached processes whose pids, ports and log files
-are recorded in ``<home>/stack.json``; ``up`` reuses a running stack, ``down`` stops both and
+are recorded in ``<home>/stack.json``; ``up`` reuses a running stack and restarts only what is down,
+on the ports it had (connected processes reconnect; nothing is stranded); ``down`` stops both and
 waits until neither process is left.
 """
 
@@ -18,8 +19,9 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 KAFKA_VERSION = "3.9.1"
 SCALA_VERSION = "2.13"
@@ -154,6 +156,15 @@ class StackInfo:
     redis_pid: int
     kafka_log: str
     redis_log: str
+    controller_port: int = 0  # the broker's KRaft controller listener (0: not recorded)
+
+    @property
+    def kafka_port(self) -> int:
+        return int(self.bootstrap.rsplit(":", 1)[1])
+
+    @property
+    def redis_port(self) -> int:
+        return int(urlparse(self.redis_url).port or 6379)
 
     def env(self) -> dict[str, str]:
         return {"KINFER_BOOTSTRAP": self.bootstrap, "KINFER_REDIS_URL": self.redis_url}
@@ -166,6 +177,7 @@ class LocalStack:
     REDIS_NEEDLE = "redis-server"
 
     def __init__(self, home: Path | None = None, kafka_port: int | None = None, redis_port: int | None = None):
+        self.restarted: list[str] = []  # what the last ``up`` started
         self.home = (home or default_home()).resolve()
         self.kafka_port = kafka_port
         self.redis_port = redis_port
@@ -178,51 +190,65 @@ class LocalStack:
             return None
         return StackInfo(**json.loads(self.state_file.read_text()))
 
-    def running(self) -> StackInfo | None:
-        """The recorded stack, if both processes still run and answer."""
-        info = self.load()
-        if info is None:
-            return None
-        if not (_alive(info.kafka_pid, self.KAFKA_NEEDLE) and _alive(info.redis_pid, self.REDIS_NEEDLE)):
-            return None
-        if not (_redis_ready(info.redis_url) and asyncio.run(_kafka_ready(info.bootstrap, timeout_s=5))):
-            return None
-        return info
-
     def up(self, timeout_s: float = 90.0) -> tuple[StackInfo, bool]:
-        """Start the stack, or reuse the running one. Returns (info, started_now)."""
-        info = self.running()
-        if info is not None:
-            return info, False
-        self.down()  # a half-dead stack from before: clear it out
-        self.home.mkdir(parents=True, exist_ok=True)
-        libs = fetch_kafka()
-        redis_bin = shutil.which("redis-server") or "/usr/bin/redis-server"
-        if not Path(redis_bin).exists():
-            raise StackError("redis-server not found: install Debian's redis-server (make deps does)")
-        kafka_port = self.kafka_port or free_port()
-        controller_port = free_port()
-        redis_port = self.redis_port or free_port()
+        """Start the stack, reuse it, or restart only the part that is down, on its recorded ports.
 
-        redis_pid, redis_log = self._start_redis(redis_bin, redis_port)
-        kafka_pid, kafka_log = self._start_kafka(libs, kafka_port, controller_port)
-        info = StackInfo(
-            home=str(self.home),
-            bootstrap=f"127.0.0.1:{kafka_port}",
-            redis_url=f"redis://127.0.0.1:{redis_port}/0",
-            kafka_pid=kafka_pid,
-            redis_pid=redis_pid,
-            kafka_log=str(kafka_log),
-            redis_log=str(redis_log),
-        )
-        self.state_file.write_text(json.dumps(asdict(info), indent=2))
+        Returns (info, started_now): ``started_now`` is true only when nothing was running before, so a
+        caller that stops what it started never stops a stack someone else is using. What was
+        restarted is in ``self.restarted``. Prerequisites are checked before anything starts, so a
+        missing ``java`` or ``redis-server`` leaves no orphan behind.
+        """
+        info = self.load()
+        kafka_ok = info is not None and _alive(info.kafka_pid, self.KAFKA_NEEDLE) and asyncio.run(
+            _kafka_ready(info.bootstrap, timeout_s=5))
+        redis_ok = info is not None and _alive(info.redis_pid, self.REDIS_NEEDLE) and _redis_ready(info.redis_url)
+        self.restarted = []
+        if info is not None and kafka_ok and redis_ok:
+            return info, False
+        libs = java = redis_bin = None
+        if not kafka_ok:
+            libs = fetch_kafka()
+            java = shutil.which("java")
+            if java is None:
+                raise StackError("java not found: install a JRE (make deps does: default-jre-headless)")
+        if not redis_ok:
+            redis_bin = shutil.which("redis-server") or "/usr/bin/redis-server"
+            if not Path(redis_bin).exists():
+                raise StackError("redis-server not found: install Debian's redis-server (make deps does)")
+        self.home.mkdir(parents=True, exist_ok=True)
+        fresh = info is None or not (_alive(info.kafka_pid, self.KAFKA_NEEDLE)
+                                     or _alive(info.redis_pid, self.REDIS_NEEDLE))
+        if fresh:  # nothing of it runs: nobody is connected, start clean on free ports
+            self.down()
+            info = None
+        if info is None:
+            kafka_port, redis_port = self.kafka_port or free_port(), self.redis_port or free_port()
+            info = StackInfo(str(self.home), f"127.0.0.1:{kafka_port}", f"redis://127.0.0.1:{redis_port}/0",
+                             0, 0, "", "", free_port())
+        elif not info.controller_port:
+            info = replace(info, controller_port=free_port())
+        if redis_bin is not None:
+            _stop(info.redis_pid, self.REDIS_NEEDLE)  # alive but not answering: replaced
+            pid, log = self._start_redis(redis_bin, info.redis_port)
+            info = replace(info, redis_pid=pid, redis_log=str(log))
+            self.restarted.append("redis")
+            self._record(info)  # recorded at once: `down` finds it even if the broker fails to start
+        if libs is not None and java is not None:
+            _stop(info.kafka_pid, self.KAFKA_NEEDLE)
+            pid, log = self._start_kafka(java, libs, info.kafka_port, info.controller_port)
+            info = replace(info, kafka_pid=pid, kafka_log=str(log))
+            self.restarted.append("kafka")
+            self._record(info)
         deadline = time.monotonic() + timeout_s
         while not _redis_ready(info.redis_url):
             self._check_started(info, deadline)
             time.sleep(0.1)
         if not asyncio.run(_kafka_ready(info.bootstrap, timeout_s=max(1.0, deadline - time.monotonic()))):
             self._check_started(info, 0)
-        return info, True
+        return info, fresh
+
+    def _record(self, info: StackInfo) -> None:
+        self.state_file.write_text(json.dumps(asdict(info), indent=2))
 
     def down(self) -> bool:
         """Stop both processes (if any); returns whether something was running."""
@@ -273,7 +299,7 @@ class LocalStack:
         ]
         return _spawn(cmd, log), log
 
-    def _start_kafka(self, libs: Path, port: int, controller_port: int) -> tuple[int, Path]:
+    def _start_kafka(self, java: str, libs: Path, port: int, controller_port: int) -> tuple[int, Path]:
         data = self.home / "kafka-data"
         config = self.home / "server.properties"
         config.write_text(
@@ -308,7 +334,6 @@ class LocalStack:
             "log4j.logger.kafka=INFO\nlog4j.logger.org.apache.kafka=INFO\n"
         )
         classpath = f"{libs}/*"
-        java = shutil.which("java") or "java"
         log = self.home / "kafka.log"
         if not (data / "meta.properties").exists():
             fmt = subprocess.run(

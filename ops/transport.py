@@ -27,7 +27,7 @@ from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 SLA_MIN_OK = 0.999
 MODEL = "bench-transport"
 LIBRARY_RATES = (500.0, 1000.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 8000.0)
-HTTP_RATES = (250.0, 500.0, 1000.0, 1500.0, 2000.0, 3000.0)
+HTTP_RATES = (500.0, 1000.0, 1500.0, 2000.0, 2500.0, 3000.0, 4000.0)
 _TICK_S = os.sysconf("SC_CLK_TCK")
 
 

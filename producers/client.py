@@ -202,7 +202,7 @@ class Client:
         loop = asyncio.get_running_loop()
         timer = loop.call_at(loop.time() + max(0.0, self._remaining_s(request)), _time_out, waiter)
         try:
-            await self._publish(topic, data)
+            await self._publish(topic, data, request)
             try:
                 result = await waiter
             except TimeoutError as exc:
@@ -269,7 +269,7 @@ class Client:
         self._admit(request)
         buffer = self._replies.open_stream(request.id)
         try:
-            await self._publish(topic, data)
+            await self._publish(topic, data, request)
             while True:
                 try:
                     chunk = await buffer.next(self._remaining_s(request))
@@ -308,7 +308,7 @@ class Client:
         data = pack(request)
         decode_request(data, self.settings.limits)  # the worker's own check: fail here, not there
         topic = request_topic(model, request.priority)
-        await self._check_topic(topic, model)
+        await self._check_topic(topic, model, min(5.0, max(0.0, self._remaining_s(request))))
         return request, data, topic
 
     def _throttle(self, model: str) -> AdaptiveThrottle:
@@ -339,9 +339,21 @@ class Client:
         admitted.inc()
         sent.record(now)
 
-    async def _publish(self, topic: str, data: bytes) -> None:
+    async def _publish(self, topic: str, data: bytes, request: Request) -> None:
+        """Hand the request to the broker, by its deadline whatever the broker does.
+
+        A broker that is down or slow makes the call fail at the deadline (``DeadlineExceeded``, not
+        answered), not at the producer's own 40 s request timeout. The record may still sit in the
+        producer's buffer and reach the topic later; a worker then drops it unexecuted (its deadline
+        has passed) and the expired reply finds nobody waiting.
+        """
         try:
-            await (await self._producer.send(topic, data))
+            async with asyncio.timeout(max(0.0, self._remaining_s(request))):
+                await (await self._producer.send(topic, data))
+        except TimeoutError as exc:
+            raise DeadlineExceeded(
+                f"{request.model}/{request.id}: the broker did not take the request by its deadline", answered=False
+            ) from exc
         except KafkaError as exc:
             raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
 
@@ -377,13 +389,13 @@ class Client:
             status["redis"] = False
         return status
 
-    async def _check_topic(self, topic: str, model: str) -> None:
+    async def _check_topic(self, topic: str, model: str, timeout_s: float) -> None:
         if topic in self._known_topics:
             return
         if self._missing_topics.get(topic, 0.0) > time.monotonic():  # asked a moment ago: still unknown
             raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
         try:  # one metadata round trip; the broker never creates request topics by itself
-            cluster = await asyncio.wait_for(self._producer.client.fetch_all_metadata(), 5.0)
+            cluster = await asyncio.wait_for(self._producer.client.fetch_all_metadata(), timeout_s)
         except (KafkaError, TimeoutError) as exc:
             raise Unavailable(f"Kafka metadata unavailable: {exc}") from exc
         if topic not in cluster.topics():

@@ -83,6 +83,11 @@ async def test_a_standing_backlog_makes_producers_refuse_before_enqueueing(
             assert next(c.after for c in snap.changes if c.model == topics) >= Level.SHEDDING  # newest first
             assert topics in render(snap)
 
+            for _ in range(300):  # the first poll of a burst knows the queue, not yet the workers' speed
+                seen_by_client = polite._health.get(topics)
+                if seen_by_client is not None and seen_by_client.capacity_rps > 0:
+                    break
+                await asyncio.sleep(0.1)
             ok = await polite.infer(topics, ["urgent, patient"], priority=Priority.P0, deadline_ms=60_000)
             assert ok.ok  # p0 with a feasible deadline is admitted, and served ahead of the backlog
             assert sum(t.done() for t in backlog) < 100

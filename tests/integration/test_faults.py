@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -190,3 +192,65 @@ async def test_sigkill_with_coalesced_commits_replays_but_loses_nothing(
     # and their second replies were dropped by the client, not handed to anyone.
     await rescuer.wait_metric("kinfer_results_total", 30)
     assert client.duplicate_replies >= 1
+
+
+async def test_infer_returns_by_its_deadline_while_the_broker_is_stopped(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    if not stack.kafka_pid:
+        pytest.skip("needs the broker of the local stack (KINFER_BOOTSTRAP names one this test did not start)")
+    spawn_worker(topics, "--family", "noop")
+    async with Client(stack.bootstrap, stack.redis_url, tenant="tests") as client:
+        await wait_until_served(client, topics)
+        os.kill(stack.kafka_pid, signal.SIGSTOP)  # the broker takes connections and answers nothing
+        try:
+            calls = [client.infer(topics, [f"r{i}"], deadline_ms=1_500) for i in range(20)]
+            # Unbounded, these would wait for the producer's 40 s request timeout (or for SIGCONT).
+            outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
+        finally:
+            os.kill(stack.kafka_pid, signal.SIGCONT)
+        assert all(isinstance(o, DeadlineExceeded) and not o.answered for o in outcomes), outcomes
+        assert (await client.infer(topics, ["after"], deadline_ms=60_000)).ok
+
+
+async def test_a_reply_topic_that_does_not_exist_pins_no_partition(
+    client: Client, stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    worker = spawn_worker(topics, "--family", "noop")
+    await wait_until_served(client, topics)
+    nowhere = f"replies.nowhere-{uuid.uuid4().hex[:6]}"
+    topic = request_topic(topics, Priority.P1)
+
+    def routed_nowhere(i: int) -> Request:
+        return Request(id=f"nowhere-{i}", model=topics, priority=Priority.P1, tenant="tests", created_ms=now_ms(),
+                       deadline_ms=now_ms() + 3_600_000, inputs=("x",), reply=ReplyRoute(kafka=nowhere))
+
+    producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap)
+    await producer.start()
+    try:
+        # The first is computed; its reply has nowhere to go: counted and dropped, never retried.
+        await producer.send_and_wait(topic, pack(routed_nowhere(0)), partition=0)
+        await worker.wait_metric("kinfer_replies_undelivered_total", 1)
+        # The next is refused before any compute: the topic is known to be missing.
+        await producer.send_and_wait(topic, pack(routed_nowhere(1)), partition=0)
+        await worker.wait_metric("kinfer_dead_letters_total", 1, field="reply")
+        end = await producer.send_and_wait(topic, pack(Request(
+            id="after", model=topics, priority=Priority.P1, tenant="tests", created_ms=now_ms(),
+            deadline_ms=now_ms() + 60_000, inputs=("y",), reply=ReplyRoute(kafka="replies.default"),
+        )), partition=0)
+    finally:
+        await producer.stop()
+    # The partition's commit moves past all three: nothing pins it, nothing will be answered twice.
+    admin = AIOKafkaAdminClient(bootstrap_servers=stack.bootstrap)
+    await admin.start()
+    try:
+        for _ in range(300):
+            committed = await admin.list_consumer_group_offsets(consumer_group(topics))
+            position = committed.get(TopicPartition(topic, 0))
+            if position is not None and position.offset > end.offset:
+                break
+            await asyncio.sleep(0.1)
+        assert position is not None and position.offset == end.offset + 1
+    finally:
+        await admin.close()
+    assert worker.metric("kinfer_results_total") >= 2  # "after" and the first one were answered

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,19 @@ def test_up_reuses_a_running_stack_and_down_leaves_nothing(tmp_path: Path) -> No
         assert f"KINFER_BOOTSTRAP={info.bootstrap}" in second.stdout
         status = kinfer(tmp_path, "status")
         assert status.returncode == 0 and '"state": "up"' in status.stdout
+        # One part dies: `up` restarts that part alone, on the same port; the other keeps running.
+        for dead, kept in (("redis", "kafka"), ("kafka", "redis")):
+            before = LocalStack(tmp_path).load()
+            assert before is not None
+            pid = before.redis_pid if dead == "redis" else before.kafka_pid
+            os.kill(pid, signal.SIGKILL)
+            again = kinfer(tmp_path, "up")
+            assert again.returncode == 0 and again.stdout.startswith(f"restarted {dead}"), again.stdout + again.stderr
+            after = LocalStack(tmp_path).load()
+            assert after is not None and (after.bootstrap, after.redis_url) == (info.bootstrap, info.redis_url)
+            assert getattr(after, f"{kept}_pid") == getattr(before, f"{kept}_pid")
+            assert getattr(after, f"{dead}_pid") != pid
+        info = LocalStack(tmp_path).load() or info
     finally:
         down = kinfer(tmp_path, "down")
     assert down.returncode == 0 and "stopped" in down.stdout
