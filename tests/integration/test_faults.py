@@ -254,3 +254,24 @@ async def test_a_reply_topic_that_does_not_exist_pins_no_partition(
     finally:
         await admin.close()
     assert worker.metric("kinfer_results_total") >= 2  # "after" and the first one were answered
+
+
+async def test_a_static_member_leaves_its_group_on_sigterm(
+    client: Client, stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    """Otherwise its partitions would sit idle for the session timeout on every graceful restart."""
+    worker = spawn_worker(topics, "--family", "noop", "--instance-id", f"inst-{uuid.uuid4().hex[:6]}")
+    await wait_until_served(client, topics)
+    admin = AIOKafkaAdminClient(bootstrap_servers=stack.bootstrap)
+    await admin.start()
+
+    async def members() -> int:
+        described = await admin.describe_consumer_groups([consumer_group(topics)])
+        return sum(len(group[5]) for response in described for group in response.groups)
+
+    try:
+        assert await members() == 1
+        assert worker.stop() == 0
+        assert await members() == 0  # gone at once, not after the session timeout
+    finally:
+        await admin.close()
