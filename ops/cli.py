@@ -190,6 +190,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from producers.gateway import GatewaySettings, create_app
+    from producers.http import guarded_protocol
 
     bootstrap, redis_url = resolve_endpoints()
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
@@ -197,7 +198,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning("no --tenants file: the gateway accepts every caller")
     app = create_app(GatewaySettings(bootstrap, redis_url, tenants))
     loop = os.environ.get("KINFER_GATEWAY_LOOP", "asyncio")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop,
+                http=guarded_protocol(args.header_timeout_s), limit_concurrency=args.max_connections,
+                timeout_keep_alive=args.keep_alive_s)
     return 0
 
 
@@ -337,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--tenants", help="JSON file of tenants with hashed API keys (see producers/tenants.py)")
     g.add_argument("--hash-key", metavar="KEY", help="print the SHA-256 of an API key for the tenants file, and exit")
+    g.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="close a connection that has not sent a request's headers within this [10]")
+    g.add_argument("--keep-alive-s", type=int, default=5, help="close a keep-alive connection idle this long [5]")
+    g.add_argument("--max-connections", type=int, default=4096,
+                   help="connections served at once; more are answered 503 [4096]")
     g.set_defaults(func=cmd_gateway)
 
     m = sub.add_parser("lagmon", help="consumer lag → health state per model, published for producers to obey")

@@ -9,6 +9,7 @@ parsing it, so a deep or oversized document is refused without being built.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -17,7 +18,9 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+HEADER_TIMEOUT_S = 10.0  # a connection must send each request's headers within this
 MAX_BODY_BYTES = 2 * 1_048_576  # a request record is at most 1 MiB packed; JSON may be about twice that
 _FIELD = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
 _ENCODER = msgspec.json.Encoder()
@@ -136,3 +139,50 @@ def docs_page(title: str) -> HTMLResponse:
 <link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"></head>
 <body><div id="ui"></div><script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
 <script>SwaggerUIBundle({{url: "/openapi.json", dom_id: "#ui"}})</script></body></html>""")
+
+
+def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP protocol with a deadline on each request's headers.
+
+    uvicorn closes a keep-alive connection that stays idle after a response (``timeout_keep_alive``),
+    but not one that opens and says nothing, or sends its headers a byte at a time: a thousand of
+    those hold a thousand sockets for ever. Here the headers of every request (the first, and each
+    one after a response) must be complete within ``header_timeout_s``, or the connection is closed.
+    A request that is being served has no deadline here (its own deadline governs it).
+    """
+
+    class HeaderDeadline(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.timeout_keep_alive_task is not None:  # idle now (no pipelined request was started)
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expire(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline

@@ -26,6 +26,7 @@ from ops.procs import wait_until_served
 from ops.stack import StackInfo, free_port
 from producers import Client
 from producers.gateway import GatewaySettings, create_app
+from producers.http import guarded_protocol
 from producers.tenants import Tenants, hash_key
 from tests.integration.conftest import WorkerProcess
 from topics import now_ms
@@ -75,7 +76,8 @@ async def gateway(stack: StackInfo, workers: tuple[str, str, str, str], tmp_path
     ]}))
     port = free_port()
     app = create_app(GatewaySettings(stack.bootstrap, stack.redis_url, Tenants.from_file(path)))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                          http=guarded_protocol(header_timeout_s=1.0)))
     task = asyncio.create_task(server.serve())
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
         await asyncio.sleep(0.05)
@@ -262,3 +264,16 @@ async def test_websocket_survives_bad_frames_and_answers_out_of_order(gateway: S
             if message.get("final") or message["id"] == "short":
                 finished.append(message["id"])
         assert finished == ["short", "long"]  # the short one was not queued behind the long one
+
+
+async def test_connections_that_never_finish_their_headers_are_closed(gateway: Served) -> None:
+    host, port = gateway.url.removeprefix("http://").split(":")
+    silent = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
+    trickle_reader, trickle = await asyncio.open_connection(host, int(port))
+    trickle.write(b"POST /v1/models/x/infer HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+    for reader, _ in [*silent, (trickle_reader, trickle)]:
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by the server, not by us
+    for _, writer in [*silent, (trickle_reader, trickle)]:
+        writer.close()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:  # a served request is not cut
+        assert (await http.get("/healthz")).status_code == 200
