@@ -267,6 +267,15 @@ class _Running:
     seq: int = 0  # streamed: the next chunk number
     usage: Usage = field(default_factory=Usage)  # tokens so far (prompt, generated)
     revoked: bool = False  # its partition moved: stop without a reply
+    first_step: float | None = None  # monotonic start of its first step (the end of its batch wait)
+    compute_s: float = 0.0  # the steps it took part in, summed
+    batch_size: int = 0  # the largest running batch it stepped in
+
+    def timings(self) -> Timings:
+        """For generation: batch wait until the first step, compute = its steps summed, the largest batch."""
+        job = self.job
+        waited = 0.0 if self.first_step is None else max(0.0, self.first_step - job.fetched) * 1000.0
+        return Timings(job.queue_ms, waited, self.compute_s * 1000.0, self.batch_size)
 
 
 class GenCore(EngineCore):
@@ -356,15 +365,22 @@ class GenCore(EngineCore):
             spec_proposed=proposed - self._spec_seen[0], spec_accepted=accepted - self._spec_seen[1],
         ))
         self._spec_seen = (proposed, accepted)
-        replies = self._apply(events)
+        replies = self._apply(events, outcome.started, took, len(self.scheduler.running))
         self._report_batch()
         return replies
 
-    def _apply(self, events: list[TokenEvent]) -> list[Outgoing]:
+    def _apply(self, events: list[TokenEvent], started: float, took: float, batch: int) -> list[Outgoing]:
         replies: list[Outgoing] = []
+        stepped: set[str] = set()
         for e in events:
             running = self._seqs[e.id]
             running.usage = Usage(e.prompt_tokens, e.generated)
+            if e.id not in stepped:  # one step, however many tokens it gave this sequence (speculation)
+                stepped.add(e.id)
+                if running.first_step is None:
+                    running.first_step = started
+                running.compute_s += took
+                running.batch_size = max(running.batch_size, batch)
             self.scheduler.advance(e.id)
             done = e.finish is not None
             if done:
@@ -384,7 +400,8 @@ class GenCore(EngineCore):
                 if done:
                     output = {"text": "".join(running.text), "finish": e.finish,
                               "prompt_tokens": e.prompt_tokens, "completion_tokens": e.generated}
-                    replies.append(Outgoing(job, self._result(job, Status.OK, outputs=[output])))
+                    replies.append(Outgoing(job, self._result(job, Status.OK, outputs=[output],
+                                                              timings=running.timings())))
         return replies
 
     def _ended(self, rid: str, why: Finish) -> Outgoing | None:
@@ -402,7 +419,7 @@ class GenCore(EngineCore):
         if job.request.stream and running.seq > 0:  # it has streamed: end the stream in band
             return Outgoing(job, Chunk(id=rid, model=self.name, seq=running.seq, final=True, status=status,
                                        finish=why.value, usage=running.usage, error=error, worker=self.worker_id))
-        return Outgoing(job, self._result(job, status, error=error))
+        return Outgoing(job, self._result(job, status, error=error, timings=running.timings()))
 
     def cancel(self, request_id: str) -> bool:
         return self.scheduler.cancel(request_id)

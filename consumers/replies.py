@@ -161,18 +161,20 @@ class ReplySink:
                     undelivered += 1  # its client is gone, and said where else to look: nowhere
         return fallback, undelivered
 
-    async def dead_letter(self, value: bytes, reason: str, field: str | None, source: str) -> None:
-        """Send a record that failed validation to the DLQ, with why and where it came from."""
+    async def dead_letter(self, value: bytes | None, reason: str, field: str | None, source: str) -> None:
+        """Send a record that failed validation to the DLQ, with why and where it came from (a null
+        value stays null)."""
         headers = [
             ("reason", reason.encode(errors="replace")[:1024]),
             ("field", (field or "").encode()[:64]),
             ("source", source.encode()[:256]),
         ]
-        if len(value) > DLQ_MAX_COPY_BYTES:
+        if value is not None and len(value) > DLQ_MAX_COPY_BYTES:
             headers.append(("truncated", str(len(value)).encode()))
             value = value[:DLQ_MAX_COPY_BYTES]
         try:
-            await self._producer.send_and_wait(DLQ_TOPIC, value, headers=headers)
+            # A record needs a key or a value: a null one gets an empty key, and stays null.
+            await self._producer.send_and_wait(DLQ_TOPIC, value, key=b"" if value is None else None, headers=headers)
         except KafkaError as exc:
             raise Unavailable(f"dead-lettering a record from {source} failed: {exc}") from exc
 

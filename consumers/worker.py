@@ -293,8 +293,10 @@ class Worker:
     def _intake(self, feed: _Feed, tp: TopicPartition, priority: Priority, record: ConsumerRecord[bytes, bytes],
                 now: float, wall: int) -> None:
         """A fetched record becomes a job in its core, or a dead letter."""
-        value = record.value or b""
+        value = record.value
         try:
+            if value is None:
+                raise InvalidRequest("the record has no value (a tombstone)", "message")
             request = decode_request(value, self.settings.limits)
             if request.model != feed.name:
                 raise InvalidRequest(f"model {request.model!r} sent to a topic of {feed.name!r}", "model")
@@ -339,7 +341,9 @@ class Worker:
             consumer.resume(*(paused - want))
         self.observer.paused(feed.name, held)
 
-    async def _reject(self, feed: _Feed, tp: TopicPartition, offset: int, value: bytes, exc: InvalidRequest) -> None:
+    async def _reject(
+        self, feed: _Feed, tp: TopicPartition, offset: int, value: bytes | None, exc: InvalidRequest
+    ) -> None:
         """Dead-letter a record, tell its sender why when its id and route can be read, then let it commit."""
         assert self._sink is not None
         source = f"{tp.topic}/{tp.partition}@{offset}"
@@ -349,7 +353,7 @@ class Worker:
         except Unavailable as error:
             log.error("%s", error)  # the record is dropped, not retried forever: it would pin its partition
         self.observer.dead_letter(feed.name, exc.field or "")
-        salvaged = salvage_route(value, self.settings.limits)
+        salvaged = salvage_route(value, self.settings.limits) if value is not None else None
         if salvaged is not None:
             rid, route = salvaged
             result = Result(rid, feed.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id)

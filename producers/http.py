@@ -21,7 +21,7 @@ from starlette.responses import HTMLResponse, Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 HEADER_TIMEOUT_S = 10.0  # a connection must send each request's headers within this
-MAX_BODY_BYTES = 2 * 1_048_576  # a request record is at most 1 MiB packed; JSON may be about twice that
+MAX_BODY_BYTES = 2 * 1_048_576  # a request record is at most 1,000,000 bytes packed; JSON may be about twice that
 _FIELD = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
 _ENCODER = msgspec.json.Encoder()
 T = TypeVar("T")

@@ -39,7 +39,10 @@ Scalar = str | int | float | bool | None
 class Limits:
     """Upper bounds a request must respect; the worker enforces them before any allocation."""
 
-    max_message_bytes: int = 1_048_576  # whole encoded request, checked before unpacking
+    # The whole encoded request, checked before unpacking. Kafka's default limit (~1 MiB) counts the
+    # batch and record overhead too, so a 1 MiB value is refused by the producer and the broker;
+    # 1,000,000 bytes fits both with room for headers, and librdkafka's default as well.
+    max_message_bytes: int = 1_000_000
     max_inputs: int = 256  # texts in one request
     max_text_chars: int = 16_384  # characters in one text
     max_params: int = 32  # keys in ``params``

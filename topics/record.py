@@ -17,7 +17,7 @@ from topics.errors import MalformedRecord
 
 R = TypeVar("R", bound="Record")
 
-MAX_RECORD_BYTES = 1_048_576
+MAX_RECORD_BYTES = 1_000_000  # what Kafka's default limits carry with their overhead (see envelope.Limits)
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -38,7 +38,7 @@ NO_CODEL = ("--codel-target-ms", "inf")
 
 
 async def dead_letters_from(bootstrap: str, model: str, want: int, timeout_s: float = 60.0) -> list[dict[str, str]]:
-    """Headers of the DLQ records whose source is one of ``model``'s topics."""
+    """Headers of the DLQ records whose source is one of ``model``'s topics (and ``null: "1"`` for a null value)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
     await consumer.start()
     try:
@@ -49,6 +49,8 @@ async def dead_letters_from(bootstrap: str, model: str, want: int, timeout_s: fl
             for records in (await consumer.getmany(timeout_ms=500)).values():
                 for rec in records:
                     headers = {k: v.decode() for k, v in rec.headers}
+                    if rec.value is None:
+                        headers["null"] = "1"
                     if headers["source"].startswith(f"infer.{model}."):
                         found.append(headers)
         return found
@@ -75,6 +77,7 @@ async def test_bad_records_go_to_the_dead_letter_topic_and_the_worker_keeps_answ
             await producer.send_and_wait(topic, b"\x93\x01\x02 this is not an envelope")
             await producer.send_and_wait(topic, pack(over_limit))
             await producer.send_and_wait(topic, msgpack.packb({"v": 1, "t": "req", "id": "no-fields"}))
+            await producer.send_and_wait(topic, None, key=b"gone")  # a tombstone
         finally:
             await producer.stop()
         # The over-limit request named its reply route, so its caller hears why it was refused.
@@ -87,7 +90,10 @@ async def test_bad_records_go_to_the_dead_letter_topic_and_the_worker_keeps_answ
         assert reply is not None and reply.id == "too-big" and reply.status is Status.INVALID
         assert "over the limit of 16384" in (reply.error or "")
 
-    letters = await dead_letters_from(stack.bootstrap, topics, want=3)
+    letters = await dead_letters_from(stack.bootstrap, topics, want=4)
+    tombstone = [h for h in letters if "tombstone" in h["reason"]]
+    assert len(tombstone) == 1 and tombstone[0].get("null") == "1"  # dead-lettered as it came: null
+    letters.remove(tombstone[0])
     reasons = sorted((h["field"], h["reason"]) for h in letters)
     assert [f for f, _ in reasons] == ["inputs", "message", "model"], reasons
     assert "not a valid msgpack envelope" in dict(reasons)["message"]
@@ -95,7 +101,7 @@ async def test_bad_records_go_to_the_dead_letter_topic_and_the_worker_keeps_answ
     # ...and the worker is still serving.
     result = await client.infer(topics, ["still here"], deadline_ms=10_000)
     assert result.outputs == [len("still here")]
-    assert worker.metric("kinfer_dead_letters_total") == 3
+    assert worker.metric("kinfer_dead_letters_total") == 4
 
 
 async def test_worker_killed_after_fetching_loses_nothing(

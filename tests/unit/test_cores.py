@@ -328,6 +328,10 @@ def test_gen_a_plain_request_gets_one_result_with_the_whole_text() -> None:
     assert not runner.rows and not core.has_work()
     assert sum(f.tokens for _, f in observer.of("step")) == 8
     assert sum(f.admitted for _, f in observer.of("step")) == 2
+    # Timings: no batch wait (admitted at the first step), compute = its steps (10 ms each), batch of 2.
+    a, b = (r.message.timings for r in replies)
+    assert (a.batch_wait_ms, a.batch_size, b.batch_size) == (0.0, 2, 2)
+    assert b.compute_ms > a.compute_ms > 0 and a.compute_ms == pytest.approx(3 * 10.0)
 
 
 def test_gen_a_stream_comes_in_order_with_one_final_chunk() -> None:
