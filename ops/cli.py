@@ -38,7 +38,7 @@ def _floats(value: str) -> list[float]:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    stack = LocalStack(Path(args.home) if args.home else None, args.kafka_port, args.redis_port)
+    stack = LocalStack(Path(args.home) if args.home else None, args.kafka_port, args.redis_port, args.brokers)
     if args.action == "fetch":
         print(fetch_kafka())
     elif args.action == "up":
@@ -65,9 +65,10 @@ def cmd_topics(args: argparse.Namespace) -> int:
     from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
     bootstrap, _ = resolve_endpoints()
-    specs = [*shared_topic_specs()]
+    copies = {"replication": args.replication_factor, "min_insync": args.min_insync_replicas}
+    specs = [*shared_topic_specs(**copies)]
     for model in args.model:
-        specs += model_topic_specs(model, args.partitions)
+        specs += model_topic_specs(model, args.partitions, **copies)
     for name, count in sorted(asyncio.run(ensure_topics(bootstrap, specs)).items()):
         print(f"{name}\t{count} partitions")
     return 0
@@ -304,11 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--home", help="stack folder (default: $KINFER_HOME or .kinfer/)")
     s.add_argument("--kafka-port", type=int, help="default: a free port")
     s.add_argument("--redis-port", type=int, help="default: a free port")
+    s.add_argument("--brokers", type=int, default=1, help="KRaft nodes in the local cluster (one machine) [1]")
     s.set_defaults(func=cmd_stack)
 
     t = sub.add_parser("topics", help="create or grow the request topics of models, and the DLQ")
     t.add_argument("--model", action="append", required=True)
     t.add_argument("--partitions", type=int, default=3)
+    t.add_argument("--replication-factor", type=int, default=0,
+                   help="copies of each partition (default: 3, or the brokers there are if fewer)")
+    t.add_argument("--min-insync-replicas", type=int, default=0,
+                   help="copies that must have a write before it is acknowledged (default: the factor less one, >= 1)")
     t.set_defaults(func=cmd_topics)
 
     w = sub.add_parser("worker", help="serve one or more models from their request topics")

@@ -1,4 +1,5 @@
-"""The local stack: a real single-node KRaft Kafka broker and a real Redis on 127.0.0.1.
+"""The local stack: a real KRaft Kafka cluster (one node, or ``--brokers N`` on this one machine)
+and a real Redis on 127.0.0.1.
 
 Kafka's jars come from Maven Central through Maven (pinned version, cached under ``.cache/``);
 Redis is Debian's ``redis-server``. Both run as detached processes whose pids, ports and log files
@@ -19,8 +20,9 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 KAFKA_VERSION = "3.9.1"
@@ -148,19 +150,50 @@ def _reap(pid: int) -> None:
 
 
 @dataclass(slots=True)
+class BrokerInfo:
+    """One KRaft node (broker and controller in one process) of the local cluster."""
+
+    node_id: int
+    port: int  # the client listener
+    controller_port: int
+    pid: int = 0
+    log: str = ""
+
+
+@dataclass(slots=True)
 class StackInfo:
     home: str
-    bootstrap: str  # Kafka bootstrap servers
+    bootstrap: str  # Kafka bootstrap servers, comma-separated
     redis_url: str
-    kafka_pid: int
-    redis_pid: int
-    kafka_log: str
-    redis_log: str
-    controller_port: int = 0  # the broker's KRaft controller listener (0: not recorded)
+    redis_pid: int = 0
+    redis_log: str = ""
+    brokers: list[BrokerInfo] = field(default_factory=list)  # empty for an external stack
+
+    @classmethod
+    def external(cls, bootstrap: str, redis_url: str) -> StackInfo:
+        return cls("external", bootstrap, redis_url)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StackInfo | None:
+        """A recorded stack (the one-broker layout of earlier versions too); None if unreadable."""
+        try:
+            if "kafka_pid" in data:  # before --brokers: one broker, recorded flat
+                port = int(str(data["bootstrap"]).rsplit(":", 1)[1])
+                data["brokers"] = [{"node_id": 1, "port": port, "controller_port": data.pop("controller_port", 0),
+                                    "pid": data.pop("kafka_pid"), "log": data.pop("kafka_log")}]
+            brokers = [BrokerInfo(**b) for b in data.pop("brokers")]
+            return cls(**data, brokers=brokers)
+        except (KeyError, TypeError):
+            return None
 
     @property
-    def kafka_port(self) -> int:
-        return int(self.bootstrap.rsplit(":", 1)[1])
+    def kafka_pid(self) -> int:
+        """The first broker's process (0 for an external stack)."""
+        return self.brokers[0].pid if self.brokers else 0
+
+    @property
+    def kafka_pids(self) -> list[int]:
+        return [b.pid for b in self.brokers]
 
     @property
     def redis_port(self) -> int:
@@ -176,11 +209,15 @@ class LocalStack:
     KAFKA_NEEDLE = "kafka.Kafka"
     REDIS_NEEDLE = "redis-server"
 
-    def __init__(self, home: Path | None = None, kafka_port: int | None = None, redis_port: int | None = None):
+    def __init__(self, home: Path | None = None, kafka_port: int | None = None, redis_port: int | None = None,
+                 brokers: int = 1):
+        if not 1 <= brokers <= 9:
+            raise StackError(f"brokers must be within 1..9, got {brokers}")
         self.restarted: list[str] = []  # what the last ``up`` started
         self.home = (home or default_home()).resolve()
         self.kafka_port = kafka_port
         self.redis_port = redis_port
+        self.brokers = brokers
         self.state_file = self.home / "stack.json"
 
     # -- public ------------------------------------------------------------------------------
@@ -188,25 +225,38 @@ class LocalStack:
     def load(self) -> StackInfo | None:
         if not self.state_file.exists():
             return None
-        return StackInfo(**json.loads(self.state_file.read_text()))
+        return StackInfo.from_json(json.loads(self.state_file.read_text()))
 
     def up(self, timeout_s: float = 90.0) -> tuple[StackInfo, bool]:
-        """Start the stack, reuse it, or restart only the part that is down, on its recorded ports.
+        """Start the stack, reuse it, or restart only the parts that are down, on their recorded ports.
 
         Returns (info, started_now): ``started_now`` is true only when nothing was running before, so a
         caller that stops what it started never stops a stack someone else is using. What was
         restarted is in ``self.restarted``. Prerequisites are checked before anything starts, so a
-        missing ``java`` or ``redis-server`` leaves no orphan behind.
+        missing ``java`` or ``redis-server`` leaves no orphan behind. A running stack keeps its own
+        number of brokers (``brokers`` applies to a new one).
         """
         info = self.load()
-        kafka_ok = info is not None and _alive(info.kafka_pid, self.KAFKA_NEEDLE) and asyncio.run(
-            _kafka_ready(info.bootstrap, timeout_s=5))
-        redis_ok = info is not None and _alive(info.redis_pid, self.REDIS_NEEDLE) and _redis_ready(info.redis_url)
         self.restarted = []
-        if info is not None and kafka_ok and redis_ok:
-            return info, False
-        libs = java = redis_bin = None
-        if not kafka_ok:
+        if info is not None and not (self._any_alive(info)):
+            self.down()  # nothing of it runs: nobody is connected, start clean on free ports
+            info = None
+        fresh = info is None
+        if info is None:
+            first = self.kafka_port or free_port()
+            ports = [first, *(free_port() for _ in range(self.brokers - 1))]
+            redis_port = self.redis_port or free_port()
+            nodes = [BrokerInfo(i + 1, port, free_port()) for i, port in enumerate(ports)]
+            info = StackInfo(str(self.home), ",".join(f"127.0.0.1:{b.port}" for b in nodes),
+                             f"redis://127.0.0.1:{redis_port}/0", brokers=nodes)
+        dead = [b for b in info.brokers if not _alive(b.pid, self.KAFKA_NEEDLE)]
+        redis_ok = _alive(info.redis_pid, self.REDIS_NEEDLE) and _redis_ready(info.redis_url)
+        if not dead and redis_ok:
+            if asyncio.run(_kafka_ready(info.bootstrap, timeout_s=5, brokers=len(info.brokers))):
+                return info, False
+            dead = list(info.brokers)  # alive but not answering: replaced
+        java = libs = redis_bin = None
+        if dead:
             libs = fetch_kafka()
             java = shutil.which("java")
             if java is None:
@@ -216,47 +266,48 @@ class LocalStack:
             if not Path(redis_bin).exists():
                 raise StackError("redis-server not found: install Debian's redis-server (make deps does)")
         self.home.mkdir(parents=True, exist_ok=True)
-        fresh = info is None or not (_alive(info.kafka_pid, self.KAFKA_NEEDLE)
-                                     or _alive(info.redis_pid, self.REDIS_NEEDLE))
-        if fresh:  # nothing of it runs: nobody is connected, start clean on free ports
-            self.down()
-            info = None
-        if info is None:
-            kafka_port, redis_port = self.kafka_port or free_port(), self.redis_port or free_port()
-            info = StackInfo(str(self.home), f"127.0.0.1:{kafka_port}", f"redis://127.0.0.1:{redis_port}/0",
-                             0, 0, "", "", free_port())
-        elif not info.controller_port:
-            info = replace(info, controller_port=free_port())
         if redis_bin is not None:
-            _stop(info.redis_pid, self.REDIS_NEEDLE)  # alive but not answering: replaced
+            _stop(info.redis_pid, self.REDIS_NEEDLE)
             pid, log = self._start_redis(redis_bin, info.redis_port)
-            info = replace(info, redis_pid=pid, redis_log=str(log))
+            info.redis_pid, info.redis_log = pid, str(log)
             self.restarted.append("redis")
-            self._record(info)  # recorded at once: `down` finds it even if the broker fails to start
-        if libs is not None and java is not None:
-            _stop(info.kafka_pid, self.KAFKA_NEEDLE)
-            pid, log = self._start_kafka(java, libs, info.kafka_port, info.controller_port)
-            info = replace(info, kafka_pid=pid, kafka_log=str(log))
-            self.restarted.append("kafka")
-            self._record(info)
+            self._record(info)  # recorded at once: `down` finds it even if a broker fails to start
+        if java is not None and libs is not None:
+            for broker in info.brokers:
+                broker.controller_port = broker.controller_port or free_port()  # an older record has none
+            voters = ",".join(f"{b.node_id}@127.0.0.1:{b.controller_port}" for b in info.brokers)
+            for broker in dead:
+                _stop(broker.pid, self.KAFKA_NEEDLE)
+                pid, log = self._start_kafka(java, libs, broker, voters, len(info.brokers))
+                broker.pid, broker.log = pid, str(log)
+                self.restarted.append("kafka" if len(info.brokers) == 1 else f"kafka-{broker.node_id}")
+                self._record(info)
         deadline = time.monotonic() + timeout_s
         while not _redis_ready(info.redis_url):
             self._check_started(info, deadline)
             time.sleep(0.1)
-        if not asyncio.run(_kafka_ready(info.bootstrap, timeout_s=max(1.0, deadline - time.monotonic()))):
+        ready = asyncio.run(_kafka_ready(info.bootstrap, timeout_s=max(1.0, deadline - time.monotonic()),
+                                         brokers=len(info.brokers)))
+        if not ready:
             self._check_started(info, 0)
         return info, fresh
+
+    def _any_alive(self, info: StackInfo) -> bool:
+        return _alive(info.redis_pid, self.REDIS_NEEDLE) or any(
+            _alive(b.pid, self.KAFKA_NEEDLE) for b in info.brokers)
 
     def _record(self, info: StackInfo) -> None:
         self.state_file.write_text(json.dumps(asdict(info), indent=2))
 
     def down(self) -> bool:
-        """Stop both processes (if any); returns whether something was running."""
+        """Stop every process (if any); returns whether something was running."""
         info = self.load()
         if info is None:
+            self.state_file.unlink(missing_ok=True)  # an unreadable record of an older layout
             return False
-        was = _alive(info.kafka_pid, self.KAFKA_NEEDLE) or _alive(info.redis_pid, self.REDIS_NEEDLE)
-        _stop(info.kafka_pid, self.KAFKA_NEEDLE)
+        was = self._any_alive(info)
+        for broker in info.brokers:
+            _stop(broker.pid, self.KAFKA_NEEDLE)
         _stop(info.redis_pid, self.REDIS_NEEDLE)
         self.state_file.unlink(missing_ok=True)
         return was
@@ -265,12 +316,13 @@ class LocalStack:
         info = self.load()
         if info is None:
             return {"home": str(self.home), "state": "down"}
-        kafka = _alive(info.kafka_pid, self.KAFKA_NEEDLE)
+        brokers = [_alive(b.pid, self.KAFKA_NEEDLE) for b in info.brokers]
         redis = _alive(info.redis_pid, self.REDIS_NEEDLE)
+        running = sum(brokers) + redis
         return {
             **asdict(info),
-            "state": "up" if kafka and redis else "degraded" if kafka or redis else "down",
-            "kafka_running": kafka,
+            "state": "up" if running == len(brokers) + 1 else "degraded" if running else "down",
+            "kafka_running": sum(brokers),
             "redis_running": redis,
         }
 
@@ -278,7 +330,7 @@ class LocalStack:
 
     def _check_started(self, info: StackInfo, deadline: float) -> None:
         for pid, needle, logfile in (
-            (info.kafka_pid, self.KAFKA_NEEDLE, info.kafka_log),
+            *((b.pid, self.KAFKA_NEEDLE, b.log) for b in info.brokers),
             (info.redis_pid, self.REDIS_NEEDLE, info.redis_log),
         ):
             if not _alive(pid, needle):
@@ -287,7 +339,8 @@ class LocalStack:
                 raise StackError(f"{needle} exited during start; end of {logfile}:\n{tail}")
         if time.monotonic() > deadline:
             self.down()
-            raise StackError(f"stack did not become ready; logs: {info.kafka_log}, {info.redis_log}")
+            logs = ", ".join([*(b.log for b in info.brokers), info.redis_log])
+            raise StackError(f"stack did not become ready; logs: {logs}")
 
     def _start_redis(self, redis_bin: str, port: int) -> tuple[int, Path]:
         data = self.home / "redis"
@@ -299,26 +352,31 @@ class LocalStack:
         ]
         return _spawn(cmd, log), log
 
-    def _start_kafka(self, java: str, libs: Path, port: int, controller_port: int) -> tuple[int, Path]:
-        data = self.home / "kafka-data"
-        config = self.home / "server.properties"
+    def _start_kafka(self, java: str, libs: Path, broker: BrokerInfo, voters: str, size: int) -> tuple[int, Path]:
+        """One KRaft node; ``size`` nodes in all, each broker and controller (one quorum of ``voters``)."""
+        name = "kafka" if size == 1 else f"kafka-{broker.node_id}"
+        data = self.home / f"{name}-data"
+        config = self.home / f"{name}.properties"
+        replicas = min(3, size)
         config.write_text(
             "\n".join(
                 [
                     "process.roles=broker,controller",
-                    "node.id=1",
-                    f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
-                    f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{port}",
+                    f"node.id={broker.node_id}",
+                    f"controller.quorum.voters={voters}",
+                    f"listeners=PLAINTEXT://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
+                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{broker.port}",
                     "controller.listener.names=CONTROLLER",
                     "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
                     f"log.dirs={data}",
                     "num.partitions=1",
                     "auto.create.topics.enable=false",  # topics are the contract: created on purpose
-                    "offsets.topic.replication.factor=1",
+                    f"offsets.topic.replication.factor={replicas}",
                     "offsets.topic.num.partitions=8",
-                    "transaction.state.log.replication.factor=1",
-                    "transaction.state.log.min.isr=1",
+                    f"transaction.state.log.replication.factor={replicas}",
+                    f"transaction.state.log.min.isr={max(1, replicas - 1)}",
+                    f"default.replication.factor={replicas}",
+                    f"min.insync.replicas={max(1, replicas - 1)}",
                     "group.initial.rebalance.delay.ms=0",
                     "log.retention.hours=24",
                     "",
@@ -334,17 +392,21 @@ class LocalStack:
             "log4j.logger.kafka=INFO\nlog4j.logger.org.apache.kafka=INFO\n"
         )
         classpath = f"{libs}/*"
-        log = self.home / "kafka.log"
+        log = self.home / f"{name}.log"
+        cluster_id = self.home / "kafka-cluster-id"
+        if not cluster_id.exists():
+            cluster_id.write_text(uuid.uuid4().hex[:22])
         if not (data / "meta.properties").exists():
             fmt = subprocess.run(
                 [java, "-cp", classpath, f"-Dlog4j.configuration=file:{log4j}", "kafka.tools.StorageTool",
-                 "format", "-t", uuid.uuid4().hex[:22], "-c", str(config), "--ignore-formatted"],
+                 "format", "-t", cluster_id.read_text().strip(), "-c", str(config), "--ignore-formatted"],
                 capture_output=True, text=True, check=False,
             )
             if fmt.returncode != 0:
                 raise StackError(f"formatting Kafka storage failed:\n{fmt.stdout}{fmt.stderr}")
+        heap = "-Xmx1g" if size == 1 else "-Xmx512m"
         cmd = [
-            java, "-Xms256m", "-Xmx1g", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
+            java, "-Xms256m", heap, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
             f"-Dlog4j.configuration=file:{log4j}", f"-Dkafka.logs.dir={self.home}",
             "-cp", classpath, "kafka.Kafka", str(config),
         ]
@@ -361,8 +423,8 @@ def _redis_ready(url: str) -> bool:
         return False
 
 
-async def _kafka_ready(bootstrap: str, timeout_s: float) -> bool:
-    """A metadata request succeeds and the broker lists itself."""
+async def _kafka_ready(bootstrap: str, timeout_s: float, brokers: int = 1) -> bool:
+    """A metadata request succeeds and the cluster lists ``brokers`` brokers."""
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.errors import KafkaError
 
@@ -376,7 +438,7 @@ async def _kafka_ready(bootstrap: str, timeout_s: float) -> bool:
             try:
                 await admin.start()
                 cluster = await admin.describe_cluster()
-                if cluster.get("brokers"):
+                if len(cluster.get("brokers") or []) >= brokers:
                     return True
             except (KafkaError, OSError):
                 pass

@@ -23,25 +23,42 @@ _TOPIC_ALREADY_EXISTS = 36
 class TopicSpec:
     name: str
     partitions: int
-    replication: int = 1
+    replication: int = 0  # 0: follow the cluster (see ``replication_for``)
     configs: dict[str, str] = field(default_factory=dict)
+    min_insync: int = 0  # min.insync.replicas; 0: follow the replication factor
 
 
-def model_topic_specs(model: str, partitions: int, replication: int = 1) -> list[TopicSpec]:
+def replication_for(brokers: int, replication: int = 0, min_insync: int = 0) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) for a cluster of ``brokers``.
+
+    Unless given: three copies where there are three brokers (fewer on a smaller cluster), and a
+    write acknowledged by all but one of them. With ``acks=all`` that loses nothing when one broker
+    dies and keeps accepting writes while one is down; a single broker is one copy and one outage.
+    """
+    factor = replication or min(3, max(1, brokers))
+    insync = min_insync or max(1, factor - 1)
+    if factor > brokers:
+        raise ValueError(f"replication factor {factor} needs at least {factor} brokers; the cluster has {brokers}")
+    if not 1 <= insync <= factor:
+        raise ValueError(f"min.insync.replicas must be within 1..{factor}, got {insync}")
+    return factor, insync
+
+
+def model_topic_specs(model: str, partitions: int, replication: int = 0, min_insync: int = 0) -> list[TopicSpec]:
     """The request topics of one model. Requests are short-lived: keep a day, delete, not compact."""
     configs = {"retention.ms": str(24 * 3600 * 1000), "cleanup.policy": "delete"}
-    return [TopicSpec(t, partitions, replication, configs) for t in request_topics(model)]
+    return [TopicSpec(t, partitions, replication, configs, min_insync) for t in request_topics(model)]
 
 
-def shared_topic_specs(replication: int = 1, reply_partitions: int = 3) -> list[TopicSpec]:
+def shared_topic_specs(replication: int = 0, reply_partitions: int = 3, min_insync: int = 0) -> list[TopicSpec]:
     """The topics every deployment needs: the dead-letter topic, the default reply topic, telemetry."""
     return [
-        TopicSpec(DLQ_TOPIC, 1, replication, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
+        TopicSpec(DLQ_TOPIC, 1, replication, {"retention.ms": str(7 * 24 * 3600 * 1000)}, min_insync),
         # Replies matter for seconds: keep an hour, so a reconnecting client cannot drown in them.
-        TopicSpec(DEFAULT_REPLY_TOPIC, reply_partitions, replication, {"retention.ms": str(3600 * 1000)}),
+        TopicSpec(DEFAULT_REPLY_TOPIC, reply_partitions, replication, {"retention.ms": str(3600 * 1000)}, min_insync),
         # Batch statistics feed windowed tables; a day is plenty to rebuild them. One partition: one
         # telemetry processor sees every model (its tables are small).
-        TopicSpec(STATS_TOPIC, 1, replication, {"retention.ms": str(24 * 3600 * 1000)}),
+        TopicSpec(STATS_TOPIC, 1, replication, {"retention.ms": str(24 * 3600 * 1000)}, min_insync),
     ]
 
 
@@ -58,9 +75,13 @@ async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec]) -> dict[str,
         existing = await _partition_counts(admin, [s.name for s in specs])
         missing = [s for s in specs if s.name not in existing]
         if missing:
-            resp = await admin.create_topics(
-                [NewTopic(s.name, s.partitions, s.replication, topic_configs=s.configs) for s in missing]
-            )
+            brokers = len((await admin.describe_cluster())["brokers"])
+            new = []
+            for s in missing:
+                factor, insync = replication_for(brokers, s.replication, s.min_insync)
+                configs = {**s.configs, "min.insync.replicas": str(insync)}
+                new.append(NewTopic(s.name, s.partitions, factor, topic_configs=configs))
+            resp = await admin.create_topics(new)
             for topic, code, *rest in resp.topic_errors:
                 if code not in (0, _TOPIC_ALREADY_EXISTS):
                     raise Unavailable(f"could not create topic {topic}: error {code} {rest}")

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     bootstrap, redis_url = os.environ.get("KINFER_BOOTSTRAP"), os.environ.get("KINFER_REDIS_URL")
     if bootstrap and redis_url:
-        info = StackInfo("external", bootstrap, redis_url, 0, 0, "", "")
+        info = StackInfo.external(bootstrap, redis_url)
         asyncio.run(ensure_topics(info.bootstrap, shared_topic_specs()))
         yield info
         return

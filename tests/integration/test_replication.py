@@ -1,0 +1,83 @@
+"""Three brokers on this machine: topics follow the cluster (three copies, two in sync), and losing
+one broker under load loses nothing and duplicates nothing a caller sees."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+from ops.procs import wait_until_served
+from ops.stack import LocalStack, StackInfo
+from producers import Client
+from tests.integration.conftest import WorkerProcess
+from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from topics.names import request_topic
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStack, StackInfo]]:
+    local = LocalStack(tmp_path_factory.mktemp("cluster"), brokers=3)
+    info, _ = local.up(timeout_s=180)
+    try:
+        yield local, info
+    finally:
+        local.down()
+
+
+async def test_topics_follow_the_cluster_and_one_broker_down_loses_nothing(
+    cluster: tuple[LocalStack, StackInfo], tmp_path: Path
+) -> None:
+    local, info = cluster
+    model = f"r-{uuid.uuid4().hex[:8]}"
+    await ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, 3)])
+    admin = AIOKafkaAdminClient(bootstrap_servers=info.bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([request_topic(model, 1)])
+        assert all(len(p["replicas"]) == 3 for p in described[0]["partitions"])
+        configs = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, request_topic(model, 1))])
+        entries = {c[0]: c[1] for c in configs[0].resources[0][4]}
+        assert entries["min.insync.replicas"] == "2"
+    finally:
+        await admin.close()
+
+    worker = WorkerProcess(info, model, tmp_path, "--family", "noop")
+    try:
+        async with Client(info.bootstrap, info.redis_url, tenant="tests", admission=False) as client:
+            await wait_until_served(client, model, timeout_s=180)
+            ids = [f"q{i}-{model}" for i in range(300)]
+
+            async def one(rid: str) -> str:
+                result = await client.infer(model, [rid], deadline_ms=120_000, request_id=rid)
+                return result.id
+
+            async def load() -> list[str]:
+                tasks = []
+                for rid in ids:
+                    tasks.append(asyncio.create_task(one(rid)))
+                    await asyncio.sleep(0.02)  # ~50/s
+                return list(await asyncio.gather(*tasks))
+
+            running = asyncio.create_task(load())
+            await asyncio.sleep(2.0)
+            victim = info.brokers[1]
+            os.kill(victim.pid, signal.SIGKILL)  # a broker this test started
+            answered = await asyncio.wait_for(running, 180)
+            # Nothing lost, nothing answered twice to the caller, no error: the producer's retries and
+            # the replicas covered the broker's death.
+            assert sorted(answered) == sorted(ids)
+            await asyncio.to_thread(local.up)
+            assert local.restarted == [f"kafka-{victim.node_id}"]
+            assert (await client.infer(model, ["after"], deadline_ms=60_000)).ok
+    finally:
+        worker.stop()
