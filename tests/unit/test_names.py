@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from topics.admin import replication_for
 from topics.names import (
     Priority,
     consumer_group,
@@ -37,3 +38,15 @@ def test_priority_parse() -> None:
     assert Priority.parse(0) is Priority.P0
     with pytest.raises(ValueError):
         Priority.parse("high")
+
+
+def test_replication_follows_the_cluster_unless_given() -> None:
+    assert replication_for(1) == (1, 1)  # one broker: one copy, one outage
+    assert replication_for(2) == (2, 1)
+    assert replication_for(3) == (3, 2)  # one broker may die without losing or refusing a write
+    assert replication_for(5) == (3, 2)
+    assert replication_for(5, replication=5, min_insync=3) == (5, 3)
+    with pytest.raises(ValueError, match="needs at least 3 brokers"):
+        replication_for(2, replication=3)
+    with pytest.raises(ValueError, match=r"min\.insync\.replicas"):
+        replication_for(3, min_insync=4)
