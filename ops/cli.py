@@ -280,6 +280,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rates = {k: tuple(v) for k, v in (("library_rates", args.library_rates), ("http_rates", args.http_rates)) if v}
         report = bench_transport(seconds=args.seconds, paths=tuple(args.path or ("library", "http")),
                                  partitions=args.partitions, **rates)
+    elif args.bench == "faults":
+        from ops.faults import bench_faults
+
+        report = bench_faults(rate=args.rate, before_s=args.before_s, after_s=args.after_s,
+                              deadline_ms=args.deadline_ms, only=tuple(args.scenario or ()))
     elif args.bench == "overload":
         from ops.overload import bench_overload
 
@@ -418,6 +423,14 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--http-rates", type=_floats, help="requests/s, comma-separated (default: ops.transport's)")
     bt.add_argument("--partitions", type=int, default=3, help="per request topic")
     bt.set_defaults(func=cmd_bench)
+    bf = bs.add_parser("faults", help="faults injected under a steady load: offered, ok, error, lost, recovery")
+    bf.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
+    bf.add_argument("--rate", type=float, default=40.0, help="requests/s through the client library")
+    bf.add_argument("--before-s", type=float, default=3.0, help="load before the fault")
+    bf.add_argument("--after-s", type=float, default=15.0, help="load from the fault on")
+    bf.add_argument("--deadline-ms", type=int, default=30_000, help="longer than any recovery: unanswered = lost")
+    bf.add_argument("--scenario", action="append", help="run only these (default: all)")
+    bf.set_defaults(func=cmd_bench)
     bo = bs.add_parser("overload", help="a 3x capacity surge with and without the health signal, side by side")
     bo.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
     bo.add_argument("--surge-s", type=float, default=30.0)

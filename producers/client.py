@@ -352,7 +352,8 @@ class Client:
                 await (await self._producer.send(topic, data))
         except TimeoutError as exc:
             raise DeadlineExceeded(
-                f"{request.model}/{request.id}: the broker did not take the request by its deadline", answered=False
+                f"{request.model}/{request.id}: the broker did not take the request by its deadline",
+                answered=False, accepted=False,
             ) from exc
         except KafkaError as exc:
             raise Unavailable(f"publishing to {topic} failed: {exc}") from exc

@@ -62,9 +62,10 @@ class DeadlineExceeded(KinferError):
 
     retriable = True
 
-    def __init__(self, message: str, answered: bool = True) -> None:
+    def __init__(self, message: str, answered: bool = True, accepted: bool = True) -> None:
         super().__init__(message)
         self.answered = answered  # False: the client stopped waiting, no worker ever said why
+        self.accepted = accepted  # False: the broker never took the request (it may still arrive, expired)
 
 
 class ModelError(KinferError):

@@ -1,0 +1,31 @@
+"""The faults of ``kinfer bench faults`` that no other test covers, shortened, asserted by counts.
+
+Each runs on a stack of its own (the benchmark kills its broker and its Redis) under a steady load
+through the client library: every request is answered (ok, or an error the caller is told), none is
+lost, none is answered twice to its caller, and no worker dies of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ops.faults import bench_faults
+
+pytestmark = pytest.mark.integration
+
+SCENARIOS = (
+    "worker_sigstop_past_session_timeout",
+    "broker_sigkill_and_restart",
+    "redis_sigkill_and_restart",
+    "records_at_the_size_limit",
+)
+
+
+def test_faults_under_load_lose_nothing() -> None:
+    report = bench_faults(rate=20.0, before_s=2.0, after_s=8.0, only=SCENARIOS)
+    assert set(report["scenarios"]) == set(SCENARIOS)
+    for name, outcome in report["scenarios"].items():
+        assert outcome["offered"] == 200, (name, outcome)
+        assert outcome["ok"] + outcome["error"] == outcome["offered"], (name, outcome)
+        assert outcome["lost"] == 0 and outcome["unaccepted"] == 0, (name, outcome)
+        assert outcome["duplicates_delivered"] == 0 and outcome["worker_exits"] == 0, (name, outcome)
