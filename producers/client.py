@@ -378,8 +378,8 @@ class Client:
         return sorted(found)
 
     async def ping(self) -> dict[str, bool]:
-        """Whether Kafka and Redis answer now (for readiness probes)."""
-        status = {"kafka": True, "redis": True}
+        """Whether Kafka and Redis answer now, and the reply readers run (for readiness probes)."""
+        status = {"kafka": True, "redis": True, "replies": self._replies.reading}
         try:
             await asyncio.wait_for(self._producer.client.fetch_all_metadata(), 2.0)
         except (KafkaError, TimeoutError):

@@ -231,7 +231,7 @@ class _Gateway:
     async def readyz(self, request: Request) -> Response:
         status = await self.client.ping()
         models = await self.client.models() if status["kafka"] else []
-        ready = status["kafka"] and status["redis"] and bool(models)
+        ready = status["kafka"] and status["redis"] and status["replies"] and bool(models)
         return json_response({**status, "models": models, "ready": ready}, 200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:

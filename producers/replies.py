@@ -72,6 +72,11 @@ class ReplyMux:
         self._kafka: AIOKafkaConsumer | None = None
         self._failure: BaseException | None = None
 
+    @property
+    def reading(self) -> bool:
+        """Every reply reader runs (a reader that died makes every call fail ``Unavailable``)."""
+        return self._failure is None
+
     def route(self) -> ReplyRoute:
         """Where the next request should ask for its reply."""
         if self.redis_healthy and not (self.prefer_kafka and self._kafka is not None):

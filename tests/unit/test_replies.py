@@ -10,7 +10,7 @@ from aiokafka.errors import KafkaConnectionError
 
 from consumers.replies import Delivery, ReplySink, ReplyTopics
 from producers.replies import ReplyMux
-from topics import Chunk, ReplyBatch, ReplyRoute, Result, Status, Usage, pack
+from topics import Chunk, ReplyBatch, ReplyRoute, Result, Status, Unavailable, Usage, pack
 
 
 def result(rid: str, output: int = 1) -> Result:
@@ -104,3 +104,16 @@ async def test_replies_to_a_missing_topic_are_counted_undelivered_not_retried() 
         Delivery(ReplyRoute(kafka="replies.nowhere"), result("b")),
     ])
     assert undelivered == 1 and producer.sent == ["replies.default"]
+
+
+async def test_a_reader_that_dies_fails_the_waiters_and_readiness_says_so() -> None:
+    mux = ReplyMux(aioredis.Redis(), "kinfer:reply:test")
+    waiter = mux.expect("w")
+    assert mux.reading
+
+    async def broken() -> None:
+        raise RuntimeError("a bug in a reader")
+
+    mux._spawn(broken(), "test")
+    await asyncio.sleep(0.01)
+    assert not mux.reading and isinstance(waiter.exception(), Unavailable)
