@@ -297,6 +297,8 @@ class _Gateway:
         async def serve(message: WsMessage) -> None:
             try:
                 await self._ws_request(model, message, who, send)
+            except (WebSocketDisconnect, RuntimeError):  # the caller left before its answer: nobody to tell
+                pass
             finally:
                 slots.release()
 
@@ -321,7 +323,7 @@ class _Gateway:
         except WebSocketDisconnect:
             pass
         finally:
-            for task in tasks:
+            for task in list(tasks):
                 task.cancel()
 
     async def _ws_request(self, model: str, message: WsMessage, who: Tenant | None, send: Any) -> None:
