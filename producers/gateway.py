@@ -138,11 +138,16 @@ class WsMessage(msgspec.Struct, forbid_unknown_fields=True):
     params: Params = {}
 
 
-class EmbeddingsBody(msgspec.Struct):  # OpenAI's: fields we do not know are ignored, as its servers do
+class EmbeddingsBody(msgspec.Struct):  # OpenAI's: fields it does not define are ignored, as its servers do
     model: ModelName
     input: Texts
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
+    dimensions: int | None = None  # refused: the model's vectors have the size they have
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
 
 
 class CompletionsBody(msgspec.Struct):
@@ -154,7 +159,25 @@ class CompletionsBody(msgspec.Struct):
     stop: str | list[str] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**62)] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI fields kinfer does not implement: refused with a 400 when they ask for anything but the default.
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field asking for something kinfer does not do (never silently ignored)."""
+        asked = {"n": self.n != 1, "best_of": self.best_of not in (None, 1), "logprobs": self.logprobs is not None,
+                 "echo": self.echo, "suffix": self.suffix is not None, "presence_penalty": self.presence_penalty != 0,
+                 "frequency_penalty": self.frequency_penalty != 0, "logit_bias": bool(self.logit_bias),
+                 "stream_options": self.stream_options is not None and not self.stream}
+        return next((name for name, wanted in asked.items() if wanted), None)
 
 
 # -- the app ----------------------------------------------------------------------------------
@@ -244,6 +267,13 @@ class _Gateway:
             {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kinfer"} for m in names]}
         )
 
+    async def model(self, request: Request) -> Response:
+        self.authenticate(request.headers)
+        name = request.path_params["model"]
+        if name not in await self.client.models():
+            raise UnknownModel(f"model {name!r} is not served", "model")
+        return json_response({"id": name, "object": "model", "created": 0, "owned_by": "kinfer"})
+
     # -- the native API --
 
     async def infer(self, request: Request) -> Response:
@@ -271,7 +301,7 @@ class _Gateway:
         )
         first = await _first(chunks)  # errors before the first chunk still get a status code
         REQUESTS.labels(name, "stream", "200").inc()
-        return _sse_response(_sse(first, chunks, chunk_json))
+        return _sse_response(_sse(first, chunks, lambda c: [chunk_json(c)]))
 
     async def websocket(self, ws: WebSocket) -> None:
         """Requests in, results and chunks out; several requests in flight at once, answers as they finish.
@@ -355,6 +385,8 @@ class _Gateway:
     async def embeddings(self, request: Request) -> Response:
         who = self.authenticate(request.headers)
         body = decode(await read_body(request), EmbeddingsBody)
+        if body.dimensions is not None:
+            raise InvalidRequest("dimensions is not supported: the model's vectors have a fixed size", "dimensions")
         timeout_ms = self.timeout_header(request)
         name = self.admit(who, "embeddings")
         inputs = [body.input] if isinstance(body.input, str) else body.input
@@ -381,6 +413,8 @@ class _Gateway:
     async def completions(self, request: Request) -> Response:
         who = self.authenticate(request.headers)
         body = decode(await read_body(request), CompletionsBody)
+        if (field := body.unsupported()) is not None:
+            raise InvalidRequest(f"{field} is not supported by this server (use its default)", field)
         timeout_ms = self.timeout_header(request)
         name = self.admit(who, "completions")
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
@@ -397,10 +431,18 @@ class _Gateway:
             first = await _first(chunks)
             REQUESTS.labels(name, "completions", "200").inc()
 
-            def openai_chunk(c: Chunk) -> dict[str, Any]:
-                return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                        "choices": [{"text": c.text, "index": 0, "logprobs": None,
-                                     "finish_reason": _finish(c.finish) if c.final else None}]}
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+            def openai_chunk(c: Chunk) -> list[dict[str, Any]]:
+                head = {"id": cid, "object": "text_completion", "created": created, "model": body.model}
+                events = [{**head, "choices": [{"text": c.text, "index": 0, "logprobs": None,
+                                                "finish_reason": _finish(c.finish) if c.final else None}]}]
+                if include_usage:  # OpenAI's convention: usage null on every chunk, then a last one with it
+                    events[0]["usage"] = None
+                    if c.final:
+                        usage = _usage(c.usage.prompt_tokens, c.usage.completion_tokens)
+                        events.append({**head, "choices": [], "usage": usage})
+                return events
 
             return _sse_response(_sse(first, chunks, openai_chunk))
         started = time.perf_counter()
@@ -414,8 +456,7 @@ class _Gateway:
         return json_response({
             "id": cid, "object": "text_completion", "created": created, "model": body.model,
             "choices": [{"text": out["text"], "index": 0, "logprobs": None, "finish_reason": _finish(out["finish"])}],
-            "usage": {"prompt_tokens": out["prompt_tokens"], "completion_tokens": out["completion_tokens"],
-                      "total_tokens": out["prompt_tokens"] + out["completion_tokens"]},
+            "usage": _usage(out["prompt_tokens"], out["completion_tokens"]),
         })
 
 
@@ -427,6 +468,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
                                           responses={503: "not ready"}, auth=False)),
         ("GET", "/metrics", gw.metrics, Doc("Prometheus metrics", auth=False)),
         ("GET", "/v1/models", gw.models, Doc("models with request topics")),
+        ("GET", "/v1/models/{model}", gw.model,
+         Doc("one model (OpenAI's models.retrieve)", responses={404: "not served"})),
         ("POST", "/v1/models/{model}/infer", gw.infer, Doc("one result", InferBody, _ERRORS, timeout_header=True)),
         ("POST", "/v1/models/{model}/stream", gw.stream,
          Doc("generation as Server-Sent Events", StreamBody, _ERRORS, stream=True, timeout_header=True)),
@@ -492,6 +535,10 @@ def chunk_json(chunk: Chunk) -> dict[str, Any]:
             "final": chunk.final, "status": chunk.status, "finish": chunk.finish, "usage": chunk.usage}
 
 
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def json_text(payload: Any) -> str:
     return msgspec.json.encode(payload).decode()
 
@@ -524,11 +571,14 @@ def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 async def _sse(first: Chunk, rest: AsyncIterator[Chunk], render: Any) -> AsyncIterator[bytes]:
+    """Server-Sent Events: ``render`` turns a chunk into the events it stands for."""
     try:
-        yield b"data: " + msgspec.json.encode(render(first)) + b"\n\n"
+        for event in render(first):
+            yield b"data: " + msgspec.json.encode(event) + b"\n\n"
         if not first.final:
             async for chunk in rest:
-                yield b"data: " + msgspec.json.encode(render(chunk)) + b"\n\n"
+                for event in render(chunk):
+                    yield b"data: " + msgspec.json.encode(event) + b"\n\n"
         yield b"data: [DONE]\n\n"
     except KinferError as exc:  # after the first byte the status is sent: report in-band
         _, payload, _ = error_payload(exc)

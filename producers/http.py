@@ -41,8 +41,9 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
 
 
 def error_body(kind: str, message: str, field: str | None = None) -> dict[str, Any]:
-    """The one error shape of every route: ``{"error": {"type", "message", "field"?}}``."""
-    error: dict[str, Any] = {"type": kind, "message": message}
+    """The one error shape of every route, OpenAI's: ``{"error": {"type", "message", "param", "code"}}``,
+    plus ``field`` (the same as ``param``) when a field is to blame."""
+    error: dict[str, Any] = {"type": kind, "message": message, "param": field, "code": None}
     if field:
         error["field"] = field
     return {"error": error}

@@ -277,3 +277,23 @@ async def test_connections_that_never_finish_their_headers_are_closed(gateway: S
         writer.close()
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:  # a served request is not cut
         assert (await http.get("/healthz")).status_code == 200
+
+
+async def test_openai_package_retrieve_usage_in_streams_and_unsupported_options(gateway: Served) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as oai:
+        assert (await oai.models.retrieve(gateway.lm)).id == gateway.lm
+        with pytest.raises(openai.NotFoundError):
+            await oai.models.retrieve("no-such-model")
+        chunks = [c async for c in await oai.completions.create(
+            model=gateway.lm, prompt="once upon", max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True})]
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 4
+        assert all(c.usage is None for c in chunks[:-1])
+        # Options kinfer does not implement are refused, by name, never silently ignored.
+        for options in ({"n": 2}, {"logprobs": 1}, {"echo": True}, {"frequency_penalty": 0.5}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await oai.completions.create(model=gateway.lm, prompt="x", max_tokens=2, **options)  # type: ignore[call-overload]
+            assert refused.value.param == next(iter(options))
+        with pytest.raises(openai.BadRequestError):
+            await oai.embeddings.create(model=gateway.emb, input="x", dimensions=64)
