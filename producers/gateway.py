@@ -14,7 +14,7 @@ token bucket, at no better than its priority ceiling. Errors map to status codes
 (``_STATUS``): invalid → 400 (422 for a body that does not parse or match its schema, 413 over
 ``MAX_BODY_BYTES``), unknown model → 404, rate limit or overload → 429 / shed → 503 with
 ``Retry-After``, deadline → 504, Kafka/Redis down → 503; every error body is
-``{"error": {"type", "message", "field"?}}``. A client deadline travels from ``X-Request-Timeout-Ms``
+``{"error": {"type", "message", "param", "code"}}`` (OpenAI's). A client deadline travels from ``X-Request-Timeout-Ms``
 or the body's ``timeout_ms``.
 
 Starlette routes and msgspec bodies (``producers.http``): the OpenAPI document is generated from the
