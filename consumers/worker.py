@@ -90,6 +90,10 @@ class WorkerSettings:
     # the worker's own event loop, shared by the ``workers_per_host`` workers on them.
     threads: int | None = None
     workers_per_host: int = 1
+    # Model calls in flight at once (one-shot families only): one worker with N executors serves one
+    # queue on N cores (M/M/N), where N single-executor workers split the traffic by partition into N
+    # queues that cannot help each other. Each call uses ``threads`` intra-op threads.
+    executors: int = 1
     max_buffered_inputs: int = 512  # fetched inputs held in memory per model before its partitions pause
     fetch_max_records: int = 500  # records per getmany()
     fetch_max_wait_ms: int = 50  # how long the broker holds a fetch that has no records yet
@@ -120,6 +124,10 @@ class WorkerSettings:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.workers_per_host < 1:
             raise ValueError(f"workers_per_host must be >= 1, got {self.workers_per_host}")
+        if self.executors < 1:
+            raise ValueError(f"executors must be >= 1, got {self.executors}")
+        if self.executors > 1 and any(m.family == "generator" for m in self.models):
+            raise ValueError("executors > 1 is for one-shot models: a generator's running batch is one")
         if self.commit_interval_ms < 0:
             raise ValueError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms}")
         unknown = set(self.weights) - set(names)
@@ -177,14 +185,13 @@ class Worker:
         self._max_batch_s = settings.fair_quantum_ms / 1000.0 if len(self.feeds) > 1 else None
         for name in self.feeds:
             self._fair.add(name, settings.weights.get(name, 1.0))
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kinfer-model")
+        self._executor = ThreadPoolExecutor(settings.executors, thread_name_prefix="kinfer-model")
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()  # something changed for the dispatch loop
         self._commit_wake = asyncio.Event()  # some reply went out
         self._drained = asyncio.Event()  # dispatch and publishing are over; final commit
         self._ready_logged = False
-        self._computing: asyncio.Task[None] | None = None
-        self._free_at = 0.0  # when the running work is predicted to end
+        self._computing: dict[asyncio.Task[None], float] = {}  # running work -> when it is predicted to end
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._sink: ReplySink | None = None
@@ -370,8 +377,8 @@ class Worker:
         while True:
             self._wake.clear()
             now = time.monotonic()
-            idle = self._computing is None
-            free_at = now if idle else max(now, self._free_at)
+            idle = self._slot_free()
+            free_at = now if idle else max(now, min(self._computing.values()))
             for feed in feeds:
                 if shed := feed.core.shed(now, free_at):
                     self._reply(feed, shed)
@@ -379,30 +386,33 @@ class Worker:
                 self._start_next(now)
             if self._stopping.is_set():
                 drain_until = drain_until or now + self.settings.drain_timeout_s
-                busy = self._computing is not None or any(feed.core.has_work() for feed in feeds)
+                busy = bool(self._computing) or any(feed.core.has_work() for feed in feeds)
                 if not busy or now >= drain_until:
                     queued = sum(feed.core.buffered() for feed in feeds)
                     if queued:
                         log.warning("drain timeout: %d requests left for redelivery", queued)
                     break
-            idle = self._computing is None
+            idle = self._slot_free()
             wakes = [w for feed in feeds if (w := feed.core.wake_at(now, idle)) is not None]
             if drain_until is not None:
                 wakes.append(drain_until)
             timeout = max(0.0, min(wakes) - now) if wakes else None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-        if self._computing is not None:
-            await self._computing
+        if self._computing:
+            await asyncio.gather(*self._computing)
         while self._publishing:
             await asyncio.gather(*list(self._publishing))
         self._drained.set()
         self._commit_wake.set()
 
+    def _slot_free(self) -> bool:
+        return len(self._computing) < self.settings.executors
+
     def _start_next(self, now: float) -> None:
-        """One executor: pick a core fairly and start its next work, if any."""
+        """While an executor is free: pick a core fairly and start its next work, if any."""
         ready = {name for name, feed in self.feeds.items() if feed.core.has_work()}
-        while ready:
+        while ready and self._slot_free():
             name = self._fair.pick(ready)
             assert name is not None
             feed = self.feeds[name]
@@ -412,9 +422,9 @@ class Worker:
             if plan.replies:
                 self._reply(feed, plan.replies)
             if plan.work is not None:
-                self._free_at = now + plan.work.predicted_s
-                self._computing = self._spawn(self._run(feed, plan.work))
-                return
+                task = self._spawn(self._run(feed, plan.work))
+                self._computing[task] = now + plan.work.predicted_s
+                continue
             ready.discard(name)  # nothing to start (a naive window holding back, or only evictions)
 
     async def _run(self, feed: _Feed, work: Work) -> None:
@@ -428,7 +438,9 @@ class Worker:
         took = time.monotonic() - started
         self._fair.charge(feed.name, took)
         replies = feed.core.complete(work, Outcome(value, error, started, took))
-        self._computing = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._computing.pop(task, None)
         self._wake.set()
         if replies:
             self._reply(feed, replies)

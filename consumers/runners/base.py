@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
-from typing import Any, Protocol
+import threading
+from typing import Any, Generic, Protocol, TypeVar
 
 from consumers.runners.sampling import GenInput, TokenEvent
 
@@ -85,3 +87,25 @@ def pick_device(requested: str = "auto") -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+T = TypeVar("T")
+
+
+class PerThread(Generic[T]):
+    """A copy of an object for each thread that uses it.
+
+    Hugging Face's fast tokenizers may not be called from two threads at once (each call sets padding
+    and truncation on the shared Rust object: "Already borrowed"); a worker with several executors
+    gives each executor thread its own copy.
+    """
+
+    def __init__(self, original: T) -> None:
+        self._original = original
+        self._local = threading.local()
+
+    def get(self) -> T:
+        mine: T | None = getattr(self._local, "copy", None)
+        if mine is None:
+            mine = self._local.copy = copy.deepcopy(self._original)
+        return mine

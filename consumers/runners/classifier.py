@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from consumers.runners.base import encode, estimate_tokens
+from consumers.runners.base import PerThread, encode, estimate_tokens
 
 
 class ClassifierRunner:
@@ -21,11 +21,13 @@ class ClassifierRunner:
         self.top_k = int(top_k)  # labels returned per input, best first
         self.dtype = torch.float16 if device.startswith("cuda") else torch.float32
         self._tokenizer: Any = None
+        self._tokenizers: PerThread[Any] = PerThread(None)  # one per executor thread, from load()
         self._model: Any = None
         self._labels: dict[int, str] = {}
 
     def load(self) -> None:
         self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self._tokenizers = PerThread(self._tokenizer)
         model: Any = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=self.dtype)
         self._model = model.to(self.device).eval()
         self._labels = {int(i): str(name) for i, name in self._model.config.id2label.items()}
@@ -38,7 +40,7 @@ class ClassifierRunner:
 
     @torch.inference_mode()
     def run(self, texts: list[str]) -> list[Any]:
-        enc = encode(self._tokenizer, texts, self.max_length, self.device)
+        enc = encode(self._tokenizers.get(), texts, self.max_length, self.device)
         probs = torch.softmax(self._model(**enc).logits.float(), dim=-1).cpu()
         k = min(self.top_k, probs.shape[-1])
         top = probs.topk(k, dim=-1)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from consumers.runners.base import encode, estimate_tokens
+from consumers.runners.base import PerThread, encode, estimate_tokens
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +148,14 @@ class EmbeddingRunner:
         # fp16 halves memory traffic on a GPU; CPUs have no fast fp16 matmul, so they stay fp32.
         self.dtype = torch.float16 if device.startswith("cuda") else torch.float32
         self._tokenizer: Any = None
+        self._tokenizers: PerThread[Any] = PerThread(None)  # one per executor thread, from load()
         self._model: Any = None
         self._session: Any = None  # an onnxruntime.InferenceSession when runtime is "onnx"
         self._onnx_inputs: list[str] = []
 
     def load(self) -> None:
         self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self._tokenizers = PerThread(self._tokenizer)
         self._model = AutoModel.from_pretrained(self.path, dtype=self.dtype).to(self.device).eval()
         self.runtime = "torch"
         if self._wants_onnx():
@@ -277,14 +279,15 @@ class EmbeddingRunner:
         return self._run_torch(texts)
 
     def _run_onnx(self, texts: list[str]) -> list[Any]:
-        enc = self._tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="np")
+        enc = self._tokenizers.get()(texts, padding=True, truncation=True, max_length=self.max_length,
+                                     return_tensors="np")
         out = self._session.run(None, {k: enc[k] for k in self._onnx_inputs})[0]
         vectors: list[Any] = out.tolist()
         return vectors
 
     @torch.inference_mode()
     def _run_torch(self, texts: list[str]) -> list[Any]:
-        enc = encode(self._tokenizer, texts, self.max_length, self.device)
+        enc = encode(self._tokenizers.get(), texts, self.max_length, self.device)
         hidden = self._model(**enc).last_hidden_state
         vectors: list[Any] = _pool(hidden, enc["attention_mask"]).cpu().tolist()
         return vectors

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.runners.registry import minilm_path
+from batcher.dynamic import BatchPolicy
+from consumers.runners.noop import NoopRunner
+from consumers.runners.registry import ModelSpec, minilm_path
+from consumers.worker import Worker, WorkerSettings
 from ops.load import make_texts
 from ops.procs import wait_until_served
 from ops.stack import StackInfo
@@ -138,3 +143,33 @@ def test_blocking_client_and_pipelined_infer_many(
             assert isinstance(outcome, InvalidRequest)  # one bad request does not hide the others
         else:
             assert isinstance(outcome, Result) and outcome.outputs == [len(["a", "bb", [], "dddd"][i % 4])]
+
+
+class _Rendezvous(NoopRunner):
+    """A model call that returns only once ``parties`` calls are in flight at the same time."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(parties, timeout=60)
+
+    def run(self, texts: list[str]) -> list[Any]:
+        self.barrier.wait()
+        return super().run(texts)
+
+
+async def test_executors_run_model_calls_side_by_side_from_one_queue(
+    client: Client, stack: StackInfo, topics: str
+) -> None:
+    """Two requests, batches of one, two executors: both calls must be in flight at once to return."""
+    settings = WorkerSettings(models=(ModelSpec(topics, "noop"),), bootstrap=stack.bootstrap,
+                              redis_url=stack.redis_url, policy=BatchPolicy(max_batch_size=1), executors=2)
+    worker = Worker(settings, runners={topics: _Rendezvous(2)})
+    serving = asyncio.create_task(worker.run())
+    try:
+        results = await asyncio.wait_for(asyncio.gather(
+            client.infer(topics, ["one"], deadline_ms=60_000), client.infer(topics, ["two"], deadline_ms=60_000),
+        ), 90)
+        assert [r.outputs for r in results] == [[3], [3]]
+    finally:
+        worker.stop()
+        await asyncio.wait_for(serving, 60)
