@@ -80,8 +80,10 @@ def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_s
     """``partitions`` per request topic: a multiple of the worker count, or the group splits unevenly
     (3 partitions over 2 workers: one serves twice the other's load).
 
-    Through the gateway, two worker layouts are tried: the model's best layout alone, and its best
-    single-process layout (which leaves cores to the transport); the better one counts.
+    Through the gateway, up to three worker layouts are tried: the model's best layout alone, its best
+    single-process layout (which leaves cores to the transport), and, when the best layout is several
+    processes, one worker with as many executors (``-eN``: one queue for all of them, where N workers
+    split the traffic by partition into N queues); the best one counts.
     """
     _log("the model alone")
     alone = model_alone(model, alone_seconds)
@@ -96,7 +98,10 @@ def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_s
     stack = LocalStack()
     info, started = stack.up()
     try:
-        for layout in dict.fromkeys([best, single]):
+        runtime, shape = best.split(":")
+        procs = int(shape.split("x")[0])
+        shared = [f"{runtime}:1x{shape.split('x', 1)[1]}-e{procs}"] if procs > 1 else []
+        for layout in dict.fromkeys([best, single, *shared]):
             rate, steps = _through_gateway(info, model, layout, alone[best], fractions, seconds_per_step, partitions)
             report["through_gateway"][layout] = {"max_rps_at_sla": rate, "steps": steps}
     finally:
@@ -118,11 +123,12 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
 
     runtime, shape = layout.split(":")
     procs, threads = int(shape.split("x")[0]), int(shape.split("x")[1].split("t")[0])
+    executors = int(shape.split("-e")[1]) if "-e" in shape else 1
     served = f"bench-serve-{model}"
     asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(served, partitions)]))
     spec = resolve_model(model)
     flags = ["--family", spec.family, *(["--path", spec.path] if spec.path else []), "--threads", str(threads),
-             "--workers-per-host", str(procs), "--runtime", runtime]
+             "--workers-per-host", str(procs), "--runtime", runtime, "--executors", str(executors)]
     workers = [spawn_worker(info, served, *flags, log_path=os.path.join(info.home, f"bench-serve-worker{i}.log"))
                for i in range(procs)]
     gateway = None
@@ -134,7 +140,7 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
         _wait_http(url)
         gen = _LoadGen(info, "http", os.path.join(info.home, "bench-serve-loadgen.log"), url=url, model=served,
                        extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
-        _log(f"through the gateway: {layout} ({procs} worker(s) x {threads} thread(s))")
+        _log(f"through the gateway: {layout} ({procs} worker(s) x {executors} executor(s) x {threads} thread(s))")
         pids = {"client": gen.proc.pid, "gateway": gateway.pid, "broker": info.kafka_pid, "redis": info.redis_pid,
                 **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
         try:
