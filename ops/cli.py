@@ -18,6 +18,7 @@ from typing import Any
 from batcher import BatchPolicy
 from consumers.worker import WorkerSettings
 from ops.stack import LocalStack, StackError, fetch_kafka, resolve_endpoints
+from topics.errors import KinferError
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -134,7 +135,8 @@ def settings_from_args(args: argparse.Namespace, flags: dict[str, str]) -> dict[
 def cmd_worker(args: argparse.Namespace) -> int:
     from consumers.runners import resolve_model
     from consumers.worker import Worker
-    from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+    from topics.admin import ensure_topics, missing_topics, model_topic_specs, shared_topic_specs
+    from topics.names import request_topics
 
     bootstrap, redis_url = resolve_endpoints()
     options = {**_options(args.option), **({"runtime": args.runtime} if args.runtime else {})}
@@ -156,6 +158,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
             for spec in specs:
                 topics += model_topic_specs(spec.name, args.partitions)
             await ensure_topics(bootstrap, topics)
+        else:  # a worker without its topics would idle forever with 0 partitions: say so instead
+            missing = await missing_topics(bootstrap, [t for spec in specs for t in request_topics(spec.name)])
+            if missing:
+                names = " ".join(f"--model {spec.name}" for spec in specs)
+                raise ValueError(f"no topics {', '.join(missing)}: create them with `kinfer topics {names}` "
+                                 "or start the worker with --create-topics")
         worker = Worker(settings)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -198,6 +206,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
     if tenants is None:
         logging.getLogger(__name__).warning("no --tenants file: the gateway accepts every caller")
+    asyncio.run(_reachable(bootstrap, redis_url))  # a dead broker or Redis: one line now, not a traceback later
     app = create_app(GatewaySettings(bootstrap, redis_url, tenants))
     loop = os.environ.get("KINFER_GATEWAY_LOOP", "asyncio")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop,
@@ -238,6 +247,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     busy, spare = args.max_utilisation, args.spare_gpus
     print(f"  total: {report['total_gpus']} GPUs (at most {busy:.0%} busy, plus {spare} spare)")
     return 0
+
+
+async def _reachable(bootstrap: str, redis_url: str) -> None:
+    from producers import Client
+
+    async with Client(bootstrap, redis_url, admission=False):
+        pass
 
 
 def cmd_lagmon(args: argparse.Namespace) -> int:
@@ -335,9 +351,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kinfer")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kinfer", description="Kafka-driven asynchronous inference")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"kinfer {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("stack", help="the local Kafka + Redis stack")
@@ -507,11 +533,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local folders only
     try:
         return int(args.func(args))
-    except StackError as exc:
-        print(f"kinfer: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except (StackError, KinferError, ValueError, OSError) as exc:
+        # Mistakes a user can fix (a model that is not served, a bad flag or file, a dead broker) end in
+        # one line that says what to do, not a traceback; KINFER_DEBUG=1 shows the traceback too.
+        if os.environ.get("KINFER_DEBUG"):
+            raise
+        print(f"kinfer {args.command}: {exc}", file=sys.stderr)
+        logging.getLogger(__name__).debug("the traceback (KINFER_DEBUG=1 raises it)", exc_info=True)
+        return 2
 
 
 if __name__ == "__main__":

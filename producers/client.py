@@ -115,10 +115,15 @@ class Client:
 
     async def start(self) -> None:
         try:
-            await self._producer.start()
-        except KafkaError as exc:
-            raise Unavailable(f"Kafka at {self.settings.bootstrap} unreachable: {exc}") from exc
-        await self._replies.start(await self._reply_partitions())
+            try:
+                await self._producer.start()
+            except KafkaError as exc:
+                raise Unavailable(f"Kafka at {self.settings.bootstrap} unreachable: {exc}") from exc
+            await self._replies.start(await self._reply_partitions())
+        except BaseException:
+            with contextlib.suppress(Exception):  # a client that did not start leaves nothing open
+                await self._producer.stop()
+            raise
         if self.settings.admission:
             self._health.start()
 

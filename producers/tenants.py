@@ -75,8 +75,16 @@ class Tenants:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tenants:
-        data = json.loads(Path(path).read_text())
-        return cls([Tenant(**entry) for entry in data["tenants"]])
+        """Raises ``ValueError`` naming the file and what is wrong with it."""
+        try:
+            data = json.loads(Path(path).read_text())
+            entries = data["tenants"]
+            if not isinstance(entries, list):
+                raise TypeError("'tenants' must be a list")
+            return cls([Tenant(**entry) for entry in entries])
+        except (KeyError, TypeError, ValueError) as exc:
+            example = '{"tenants": [{"name": "search", "key_sha256": "<hex>", "rate_per_s": 50}]}'
+            raise ValueError(f"{path}: not a tenants file ({type(exc).__name__}: {exc}); expected {example}") from exc
 
     def authenticate(self, key: str | None) -> Tenant | None:
         if not key:

@@ -102,6 +102,19 @@ async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec]) -> dict[str,
         await admin.close()
 
 
+async def missing_topics(bootstrap: str, names: list[str]) -> list[str]:
+    """Which of ``names`` the cluster does not have."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
+    try:
+        await admin.start()
+        existing = await _partition_counts(admin, names)
+    except KafkaError as exc:
+        raise Unavailable(f"Kafka at {bootstrap} is unavailable: {exc}") from exc
+    finally:
+        await admin.close()
+    return [n for n in names if n not in existing]
+
+
 async def _partition_counts(
     admin: AIOKafkaAdminClient, names: list[str], expect_all: bool = False
 ) -> dict[str, int]:

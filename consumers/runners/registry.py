@@ -48,6 +48,8 @@ def resolve_model(
         known = ", ".join(sorted(builtin_models()))
         raise ValueError(f"unknown model {name!r}: pass --family/--path, or use one of: {known}")
     base = builtin or ModelSpec(name, family or "embedding")
+    if path is not None and not Path(path).is_dir():
+        raise ValueError(f"--path {path}: no such directory (a model directory with config.json and weights)")
     return ModelSpec(
         name=name,
         family=family or base.family,
