@@ -47,7 +47,7 @@ from consumers.observer import Observers
 from consumers.offsets import OffsetTracker
 from consumers.replies import Delivery, ReplySink
 from consumers.runners import ModelSpec, Runner, build_runner
-from consumers.runners.base import set_threads
+from consumers.runners.base import default_executors, pick_device, set_threads
 from consumers.sinks import PrometheusSink, StatsSink
 from consumers.telemetry import StatsReporter
 from topics import (
@@ -92,8 +92,10 @@ class WorkerSettings:
     workers_per_host: int = 1
     # Model calls in flight at once (one-shot families only): one worker with N executors serves one
     # queue on N cores (M/M/N), where N single-executor workers split the traffic by partition into N
-    # queues that cannot help each other. Each call uses ``threads`` intra-op threads.
-    executors: int = 1
+    # queues that cannot help each other. Each call uses ``threads`` intra-op threads. None: on CPU, for
+    # embedding and classifier models, the worker's share of the CPUs over ``threads`` (two cores, one
+    # worker: two single-thread calls); else one.
+    executors: int | None = None
     max_buffered_inputs: int = 512  # fetched inputs held in memory per model before its partitions pause
     fetch_max_records: int = 500  # records per getmany()
     fetch_max_wait_ms: int = 50  # how long the broker holds a fetch that has no records yet
@@ -124,9 +126,9 @@ class WorkerSettings:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.workers_per_host < 1:
             raise ValueError(f"workers_per_host must be >= 1, got {self.workers_per_host}")
-        if self.executors < 1:
+        if self.executors is not None and self.executors < 1:
             raise ValueError(f"executors must be >= 1, got {self.executors}")
-        if self.executors > 1 and any(m.family == "generator" for m in self.models):
+        if (self.executors or 1) > 1 and any(m.family == "generator" for m in self.models):
             raise ValueError("executors > 1 is for one-shot models: a generator's running batch is one")
         if self.commit_interval_ms < 0:
             raise ValueError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms}")
@@ -185,7 +187,10 @@ class Worker:
         self._max_batch_s = settings.fair_quantum_ms / 1000.0 if len(self.feeds) > 1 else None
         for name in self.feeds:
             self._fair.add(name, settings.weights.get(name, 1.0))
-        self._executor = ThreadPoolExecutor(settings.executors, thread_name_prefix="kinfer-model")
+        families = [m.family for m in settings.models]
+        self.executors = settings.executors or default_executors(
+            families, pick_device(settings.device), settings.threads, settings.workers_per_host)
+        self._executor = ThreadPoolExecutor(self.executors, thread_name_prefix="kinfer-model")
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()  # something changed for the dispatch loop
         self._commit_wake = asyncio.Event()  # some reply went out
@@ -208,7 +213,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         threads = set_threads(s.threads, s.workers_per_host)
         if threads is not None:
-            log.info("torch uses %d intra-op thread(s)", threads)
+            log.info("torch uses %d intra-op thread(s) a call, %d call(s) at once", threads, self.executors)
         for feed in self.feeds.values():
             runner = feed.core.runner
             log.info("loading model %s (%s) on %s", feed.name, feed.core.spec.family, runner.device)
@@ -407,7 +412,7 @@ class Worker:
         self._commit_wake.set()
 
     def _slot_free(self) -> bool:
-        return len(self._computing) < self.settings.executors
+        return len(self._computing) < self.executors
 
     def _start_next(self, now: float) -> None:
         """While an executor is free: pick a core fairly and start its next work, if any."""

@@ -90,7 +90,8 @@ WORKER_FLAGS = {
     "device": "auto: CUDA when torch sees a GPU, else CPU",
     "threads": "torch intra-op threads (default: CPUs in this process's affinity - 1, / --workers-per-host)",
     "workers_per_host": "workers sharing this host's CPUs",
-    "executors": "model calls in flight at once, one queue for all (one-shot models; each call uses --threads)",
+    "executors": "model calls in flight at once from one queue "
+                 "(default: on CPU, embedding/classifier models, the CPUs over --threads; else 1)",
     "max_buffered_inputs": "inputs held in memory per model before its partitions pause",
     "fetch_max_wait_ms": "how long the broker holds a fetch that has no records yet",
     "commit_interval_ms": "commits are coalesced: at most one round this often (a crash replays at most this much)",

@@ -69,6 +69,18 @@ def default_threads(workers_per_host: int = 1) -> int:
     return max(1, (cpus - 1) // workers_per_host)
 
 
+def default_executors(families: list[str], device: str, threads: int | None, workers_per_host: int = 1) -> int:
+    """Model calls in flight at once when not set: on CPU, for models that compute there (embedding,
+    classifier), the worker's share of the CPUs over the threads each call uses — measured on two
+    cores, two single-thread calls from one queue served 1.4x what two workers did, and cut the demo's
+    p95 from 113 to 70 ms. A GPU, a generator (one running batch) or a noop model: one."""
+    if device != "cpu" or any(f not in ("embedding", "classifier") for f in families):
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cpus // workers_per_host)
+    return max(1, share // (threads or default_threads(workers_per_host)))
+
+
 def set_threads(threads: int | None, workers_per_host: int = 1) -> int | None:
     """Size torch's intra-op pool (``None``: ``default_threads``); returns it, or None without torch."""
     torch = sys.modules.get("torch")  # a family without torch (noop) never imports it
