@@ -313,7 +313,7 @@ class Client:
         data = pack(request)
         decode_request(data, self.settings.limits)  # the worker's own check: fail here, not there
         topic = request_topic(model, request.priority)
-        await self._check_topic(topic, model, min(5.0, max(0.0, self._remaining_s(request))))
+        await self._check_topic(topic, request)
         return request, data, topic
 
     def _throttle(self, model: str) -> AdaptiveThrottle:
@@ -395,9 +395,11 @@ class Client:
             status["redis"] = False
         return status
 
-    async def _check_topic(self, topic: str, model: str, timeout_s: float) -> None:
-        if topic in self._known_topics:
+    async def _check_topic(self, topic: str, request: Request) -> None:
+        if topic in self._known_topics:  # the hot path: nothing else to do
             return
+        model = request.model
+        timeout_s = min(5.0, max(0.0, self._remaining_s(request)))  # never past the caller's deadline
         if self._missing_topics.get(topic, 0.0) > time.monotonic():  # asked a moment ago: still unknown
             raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
         try:  # one metadata round trip; the broker never creates request topics by itself
