@@ -17,6 +17,7 @@ from typing import Any
 
 from batcher import BatchPolicy
 from consumers.worker import WorkerSettings
+from ops.scaling import ScalePolicy
 from ops.stack import LocalStack, StackError, fetch_kafka, resolve_endpoints
 from topics.errors import KinferError
 
@@ -280,6 +281,63 @@ def cmd_lagmon(args: argparse.Namespace) -> int:
     return 0
 
 
+SCALE_FLAGS = {
+    "target_utilisation": "busy share a replica is sized for (the headroom for the tail)",
+    "drain_s": "a backlog is cleared within this long, beside the arrivals",
+    "max_wait_ms": "a queue that clears within this long is batching, not a backlog",
+    "tolerance": "a load within this share of what the replicas carry at the target changes nothing",
+    "up_cooldown_s": "at least this long between two scale-ups",
+    "down_cooldown_s": "at least this long between any change and a scale-down",
+    "down_window_s": "scale down only to the highest recommendation over this window (and to zero after it idle)",
+    "smoothing_s": "time constant of the arrival rate's smoothing as it falls (it rises at once)",
+    "replica_rps": "records/s one worker drains while busy, if known (0: measured from telemetry and offsets)",
+}
+
+
+def cmd_autoscale(args: argparse.Namespace) -> int:
+    from ops.autoscaler import AutoscaleLoop, KubernetesPool, LocalPool, keda_scaled_object
+    from ops.stack import StackInfo
+
+    policy = ScalePolicy(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                         **settings_from_args(args, SCALE_FLAGS))
+    deployment = args.deployment or f"kinfer-worker-{args.model}"
+    worker_args = [a for a in args.worker_args if a != "--"]
+    if args.emit == "keda":
+        import yaml
+
+        bootstrap = os.environ.get("KINFER_BOOTSTRAP", "kafka:9092")
+        print(yaml.safe_dump(keda_scaled_object(args.model, bootstrap, policy, deployment=deployment,
+                                                namespace=args.namespace), sort_keys=False), end="")
+        return 0
+    bootstrap, redis_url = resolve_endpoints()
+    pool: Any
+    if args.mode == "kubernetes":
+        pool = KubernetesPool(deployment, args.namespace, api=args.kube_api, token_file=args.kube_token_file,
+                              ca_file=args.kube_ca_file)
+    else:
+        pool = LocalPool(StackInfo.external(bootstrap, redis_url), args.model, worker_args,
+                         Path(args.log_dir) if args.log_dir else None)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+    loop = AutoscaleLoop(bootstrap, redis_url, args.model, pool, policy, interval_s=args.interval_s, mode=args.mode,
+                         commit_interval_ms=args.commit_interval_ms)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            running.add_signal_handler(sig, stop.set)
+        try:
+            await loop.run(stop)
+        finally:
+            await pool.close()  # local: every worker drains and stops; kubernetes: the Deployment stays
+
+    asyncio.run(main())
+    return 0
+
+
 def cmd_telemetry(args: argparse.Namespace) -> int:
     from ops.telemetry import run
 
@@ -337,6 +395,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         report = bench_faults(rate=args.rate, before_s=args.before_s, after_s=args.after_s,
                               deadline_ms=args.deadline_ms, only=tuple(args.scenario or ()))
+    elif args.bench == "autoscale":
+        from ops.autoscale_bench import Trace, bench_autoscale
+
+        trace = Trace(quiet_rps=args.quiet_rps, step=args.step, quiet_s=args.quiet_s, peak_s=args.peak_s,
+                      ramp_s=args.ramp_s, tail_s=args.tail_s)
+        report = bench_autoscale(trace, per_input_ms=args.per_input_ms, plot=args.plot)
     elif args.bench == "overload":
         from ops.overload import bench_overload
 
@@ -447,6 +511,31 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     m.set_defaults(func=cmd_lagmon)
 
+    a = sub.add_parser("autoscale", help="a model's workers follow its load (consumer lag, arrival rate, capacity)",
+                       epilog="Arguments after -- go to every local worker, e.g. -- --family noop")
+    a.add_argument("--model", required=True)
+    a.add_argument("--min", dest="min_replicas", type=int, default=_default(ScalePolicy, "min_replicas"),
+                   help="fewest workers (0: scale to zero when idle) [%(default)s]")
+    a.add_argument("--max", dest="max_replicas", type=int, default=_default(ScalePolicy, "max_replicas"),
+                   help="most workers (never more than a request topic's partitions) [%(default)s]")
+    a.add_argument("--mode", choices=["local", "kubernetes"], default="local",
+                   help="local: kinfer worker processes here; kubernetes: a Deployment's replicas [%(default)s]")
+    a.add_argument("--emit", choices=["keda"], help="print the equivalent KEDA ScaledObject and exit")
+    a.add_argument("--deployment", help="kubernetes: the workers' Deployment (default: kinfer-worker-MODEL)")
+    a.add_argument("--namespace", default="default")
+    a.add_argument("--kube-api", help="API server URL (default: in-cluster)")
+    a.add_argument("--kube-token-file", default="/var/run/secrets/kubernetes.io/serviceaccount/token")
+    a.add_argument("--kube-ca-file", default="/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+    a.add_argument("--interval-s", type=float, default=1.0, help="one decision this often [%(default)s]")
+    a.add_argument("--commit-interval-ms", type=float, default=_default(WorkerSettings, "commit_interval_ms"),
+                   help="the workers' --commit-interval-ms [%(default)s]")
+    a.add_argument("--log-dir", help="local: each worker's log goes here (default: discarded)")
+    a.add_argument("--metrics-port", type=int)
+    a.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+    add_settings_args(a, ScalePolicy, SCALE_FLAGS)
+    a.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then flags for each local worker")
+    a.set_defaults(func=cmd_autoscale)
+
     tl = sub.add_parser("telemetry", help="the telemetry stream processor (faust): windowed per-model tables")
     tl.add_argument("--window-s", type=int, default=10, help="tumbling window length, whole seconds")
     tl.add_argument("--publish-s", type=float, default=1.0, help="how often summaries go to Redis")
@@ -511,6 +600,17 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--deadline-ms", type=int, default=30_000, help="longer than any recovery: unanswered = lost")
     bf.add_argument("--scenario", action="append", help="run only these (default: all)")
     bf.set_defaults(func=cmd_bench)
+    ba = bs.add_parser("autoscale", help="a 5x traffic step: the autoscaler vs static peak provisioning")
+    ba.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
+    ba.add_argument("--quiet-rps", type=float, default=30.0)
+    ba.add_argument("--step", type=float, default=5.0, help="peak rate / quiet rate")
+    ba.add_argument("--quiet-s", type=float, default=90.0, help="quiet before the step")
+    ba.add_argument("--peak-s", type=float, default=40.0)
+    ba.add_argument("--ramp-s", type=float, default=40.0, help="linear ramp from the peak back to quiet")
+    ba.add_argument("--tail-s", type=float, default=90.0, help="quiet after the ramp")
+    ba.add_argument("--per-input-ms", type=float, default=10.0, help="the simulated accelerator's cost per input")
+    ba.add_argument("--plot", help="PNG of arrivals, lag, wait and workers over time (default: in the stack home)")
+    ba.set_defaults(func=cmd_bench)
     bo = bs.add_parser("overload", help="a 3x capacity surge with and without the health signal, side by side")
     bo.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
     bo.add_argument("--surge-s", type=float, default=30.0)

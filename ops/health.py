@@ -143,6 +143,10 @@ class HealthEstimator:
             return stalled_ms
         return max(1000.0 * self._queued(self.lag) / rate, stalled_ms)
 
+    def queued(self) -> float:
+        """Of the lag, the records really waiting (not answered-but-uncommitted work in flight)."""
+        return self._queued(self.lag)
+
     def _queued(self, lag: int) -> float:
         """Of ``lag``, what is really waiting: records answered since the workers' last commit still
         count as lag (commits are coalesced) — up to a commit interval of traffic, at the rate records

@@ -61,7 +61,9 @@ class LagMonitor:
     interval_s: float = 0.5
     policy: HealthPolicy = field(default_factory=HealthPolicy)
     states: dict[str, HealthState] = field(default_factory=dict)
-    _estimators: dict[str, HealthEstimator] = field(default_factory=dict)
+    partitions: dict[str, int] = field(default_factory=dict)  # per request topic (the fewest of the three)
+    stats: dict[str, ModelStats] = field(default_factory=dict)  # fresh telemetry summaries only
+    estimators: dict[str, HealthEstimator] = field(default_factory=dict)  # by model
     _changes: list[LevelChange] = field(default_factory=list)  # not yet recorded in Redis
 
     @staticmethod
@@ -112,8 +114,13 @@ class LagMonitor:
                 continue
             lag = sum(offsets.lag)
             stats = await self._telemetry(redis, model)
-            estimator = self._estimators.setdefault(model, HealthEstimator(self.policy))
+            estimator = self.estimators.setdefault(model, HealthEstimator(self.policy))
             fresh = stats is not None and now_ms() - stats.updated_ms < STATS_FRESH_MS
+            self.partitions[model] = offsets.partitions
+            if stats is not None and fresh:
+                self.stats[model] = stats
+            else:
+                self.stats.pop(model, None)
             level = estimator.observe(
                 time.monotonic(), lag, sum(offsets.log_end), offsets.committed_total, offsets.log_end,
                 capacity_rps=stats.capacity_rps if stats is not None and fresh else None,
@@ -159,6 +166,7 @@ class Offsets:
     lag: tuple[int, int, int]  # records waiting, per priority (p0, p1, p2)
     log_end: tuple[int, int, int]  # records ever written, per priority
     committed_total: int  # records done, all priorities
+    partitions: int = 0  # of each request topic (the fewest, should they differ)
 
 
 async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, model: str) -> Offsets | None:
@@ -176,7 +184,8 @@ async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, m
         p = int(parse_request_topic(tp.topic)[1])
         lag[p] += max(0, ends[tp] - done[tp])
         end[p] += ends[tp]
-    return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()))
+    counts = [len(t["partitions"]) for t in described if t["error_code"] == 0]
+    return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()), min(counts))
 
 
 def _rounded(rates: list[float]) -> tuple[float, float, float]:

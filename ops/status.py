@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
+from ops.scaling import SCALE_DECISIONS_KEY, SCALE_STATE_PREFIX, ScaleDecision, ScaleState
 from topics import MalformedRecord
 from topics.health import DECISIONS_KEY, HEALTH_KEY_PREFIX, HealthState, LevelChange
 from topics.stats import STATS_KEY_PREFIX, ModelStats
@@ -27,18 +28,22 @@ class Snapshot:
     health: dict[str, HealthState]
     stats: dict[str, ModelStats]
     changes: list[LevelChange]  # newest first
+    scaling: dict[str, ScaleState] = field(default_factory=dict)  # the autoscalers' latest state
+    scale_changes: list[ScaleDecision] = field(default_factory=list)  # newest first
 
     def models(self) -> list[str]:
-        return sorted(set(self.health) | set(self.stats))
+        return sorted(set(self.health) | set(self.stats) | set(self.scaling))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "models": {
                 m: {"health": self.health[m].to_wire() if m in self.health else None,
                     "stats": {**self.stats[m].to_wire(), "capacity_rps": round(self.stats[m].capacity_rps, 2)}
-                    if m in self.stats else None}
+                    if m in self.stats else None,
+                    "autoscale": self.scaling[m].to_wire() if m in self.scaling else None}
                 for m in self.models()
             },
+            "scale_decisions": [d.to_wire() for d in self.scale_changes],
             "decisions": [
                 {"at_ms": c.at_ms, "model": c.model, "from": c.before.name.lower() if c.before is not None else None,
                  "to": c.after.name.lower(), "lag": c.lag, "predicted_wait_ms": c.predicted_wait_ms}
@@ -60,20 +65,27 @@ async def _load(redis: aioredis.Redis, prefix: str, parse: Callable[[bytes], T])
 async def snapshot(redis: aioredis.Redis, decisions: int = 10) -> Snapshot:
     health = {h.model: h for h in await _load(redis, HEALTH_KEY_PREFIX, HealthState.unpack)}
     stats = {s.model: s for s in await _load(redis, STATS_KEY_PREFIX, ModelStats.unpack)}
-    changes = []
-    for data in await redis.lrange(DECISIONS_KEY, 0, decisions - 1) if decisions > 0 else []:
+    scaling = {s.model: s for s in await _load(redis, SCALE_STATE_PREFIX, ScaleState.unpack)}
+    changes = await _latest(redis, DECISIONS_KEY, decisions, LevelChange.unpack)
+    scale_changes = await _latest(redis, SCALE_DECISIONS_KEY, decisions, ScaleDecision.unpack)
+    return Snapshot(health, stats, changes, scaling, scale_changes)
+
+
+async def _latest(redis: aioredis.Redis, key: str, n: int, parse: Callable[[bytes], T]) -> list[T]:
+    out = []
+    for data in await redis.lrange(key, 0, n - 1) if n > 0 else []:
         if isinstance(data, bytes):
             with contextlib.suppress(MalformedRecord):
-                changes.append(LevelChange.unpack(data))
-    return Snapshot(health, stats, changes)
+                out.append(parse(data))
+    return out
 
 
 def render(snap: Snapshot, now_ms: int | None = None) -> str:
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     rows = [("model", "level", "lag p0/p1/p2", "in/s", "drain/s", "wait ms", "served/s", "batch", "svc ms",
-             "shed (window)", "age s")]
+             "shed (window)", "workers", "age s")]
     for m in snap.models():
-        h, s = snap.health.get(m), snap.stats.get(m)
+        h, s, a = snap.health.get(m), snap.stats.get(m), snap.scaling.get(m)
         updated = max(h.updated_ms if h else 0, s.updated_ms if s else 0)
         rows.append((
             m,
@@ -86,6 +98,9 @@ def render(snap: Snapshot, now_ms: int | None = None) -> str:
             f"{s.mean_batch:.1f}" if s else "-",
             f"{s.service_ms:.1f}" if s else "-",
             ",".join(f"{r}={n}" for r, n in sorted(s.shed.items())) or "0" if s else "-",
+            # serving (telemetry) / run by the autoscaler (wants) [its range]
+            f"{s.workers if s else '-'}/{a.replicas} (wants {a.recommended}) [{a.min_replicas}..{a.max_replicas}]"
+            if a else str(s.workers) if s else "-",
             f"{(now_ms - updated) / 1000:.1f}",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -99,4 +114,11 @@ def render(snap: Snapshot, now_ms: int | None = None) -> str:
         before = c.before.name.lower() if c.before is not None else "(start)"
         lines.append(f"  {at}  {c.model}: {before} -> {c.after.name.lower()}  "
                      f"(lag {c.lag}, predicted wait {c.predicted_wait_ms:.0f} ms)")
+    if snap.scale_changes:
+        lines.append("")
+        lines.append("autoscaler (newest first):")
+    for d in snap.scale_changes:
+        at = time.strftime("%H:%M:%S", time.localtime(d.at_ms / 1000))
+        lines.append(f"  {at}  {d.model}: {d.before} -> {d.after} workers ({d.reason}: load {d.load_rps:.1f}/s, "
+                     f"{d.replica_rps:.1f}/s per worker, queued {d.queued:.0f}, drain {d.wait_ms:.0f} ms)")
     return "\n".join(lines)

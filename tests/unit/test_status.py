@@ -32,3 +32,20 @@ def test_status_shows_each_model_and_the_latest_decisions() -> None:
 def test_level_change_round_trip() -> None:
     first = LevelChange(1, "m", None, Level.OK, 0, 0.0)
     assert LevelChange.unpack(first.pack()) == first
+
+
+def test_status_shows_what_the_autoscaler_runs_and_decided() -> None:
+    from ops.scaling import ScaleDecision, ScaleState
+
+    stats = ModelStats("emb", 10.0, 61.5, 7.7, 8.0, 8.5, {8: 8.5}, {}, 1234, 10_000, workers=2)
+    state = ScaleState("emb", "local", 3, 3, 1, 6, 210.0, 100.0, 10_000)
+    up = ScaleDecision(9_000, "emb", 1, 3, "up", 210.0, 100.0, 400.0, 4000.0)
+    snap = Snapshot({}, {"emb": stats}, [], {"emb": state}, [up])
+
+    lines = render(snap, now_ms=11_000).splitlines()
+    emb = next(line for line in lines if line.startswith("emb"))
+    assert "2/3 (wants 3) [1..6]" in emb  # serving / running
+    assert any("emb: 1 -> 3 workers (up: load 210.0/s" in line for line in lines)
+    doc = json.loads(json.dumps(snap.to_json()))
+    assert doc["models"]["emb"]["autoscale"]["replicas"] == 3
+    assert doc["scale_decisions"][0]["after"] == 3

@@ -1,0 +1,306 @@
+"""``kinfer autoscale``: a model's workers follow its load (the decisions are ``ops.scaling``'s).
+
+Every ``interval_s`` the loop reads the model's offsets and telemetry the way the lag monitor does
+(the same code: arrival rate, the records really waiting, the capacity of the serving workers),
+asks ``Autoscaler`` how many replicas to run and tells a pool:
+
+- ``LocalPool`` starts and stops ``kinfer worker`` processes on this machine, each with a static
+  group instance id of its own slot. Scale-down is SIGTERM to the newest: the worker stops
+  fetching, finishes and answers what it holds, commits and leaves the group (nothing lost). A
+  worker that dies is started again in its slot (same instance id: it rejoins without a rebalance).
+- ``KubernetesPool`` patches the ``scale`` subresource of a Deployment through the API server
+  (in-cluster service account by default); the Deployment's pods are the replicas.
+
+Each change is logged, counted (``kinfer_autoscale_*`` metrics), kept in Redis
+(``kinfer:autoscale:decisions``, newest first) with the loop's latest state
+(``kinfer:autoscale:state:<model>``) for ``kinfer status``. ``keda_scaled_object`` writes the equivalent
+KEDA ScaledObject for those who prefer KEDA's Kafka scaler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import ssl
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from prometheus_client import Counter, Gauge
+from redis.exceptions import RedisError
+
+from ops.health import HealthPolicy
+from ops.lagmon import LagMonitor
+from ops.procs import spawn_worker
+from ops.scaling import (
+    SCALE_DECISIONS_KEPT,
+    SCALE_DECISIONS_KEY,
+    Autoscaler,
+    Observation,
+    ScaleDecision,
+    ScalePolicy,
+    ScaleState,
+    scale_state_key,
+)
+from ops.stack import StackInfo
+from topics import now_ms
+from topics.names import consumer_group
+
+log = logging.getLogger(__name__)
+
+REPLICAS = Gauge("kinfer_autoscale_replicas", "Workers the autoscaler runs for the model", ["model"])
+RECOMMENDED = Gauge("kinfer_autoscale_recommended_replicas", "What the load asks for, before cooldowns", ["model"])
+LOAD = Gauge("kinfer_autoscale_load_rps", "Arrivals plus backlog drain the replicas are sized for", ["model"])
+REPLICA_RPS = Gauge("kinfer_autoscale_replica_rps", "Records/s one replica drains while busy", ["model"])
+CHANGES = Counter("kinfer_autoscale_changes_total", "Replica count changes", ["model", "reason"])
+RESTARTS = Counter("kinfer_autoscale_restarts_total", "Local workers that died and were started again", ["model"])
+
+
+class Pool(Protocol):
+    async def replicas(self) -> int: ...
+
+    async def scale(self, n: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class LocalPool:
+    """``kinfer worker`` processes for one model on this machine, one per slot."""
+
+    info: StackInfo
+    model: str
+    worker_args: list[str] = field(default_factory=list)  # passed to each worker (--family, --option, ...)
+    log_dir: Path | None = None
+    drain_timeout_s: float = 30.0
+    slots: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    stopping: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)  # SIGTERMed, draining
+    restarts: int = 0
+    started: int = 0
+
+    async def replicas(self) -> int:
+        for slot, proc in list(self.stopping.items()):
+            if proc.poll() is not None:
+                del self.stopping[slot]
+        for slot, proc in list(self.slots.items()):
+            if proc.poll() is not None:  # died: the same slot again (its instance id rejoins at once)
+                log.warning("%s worker %d exited with %s: starting it again", self.model, slot, proc.returncode)
+                self.restarts += 1
+                RESTARTS.labels(self.model).inc()
+                self.slots[slot] = self._spawn(slot)
+        return len(self.slots)
+
+    async def scale(self, n: int) -> None:
+        while len(self.slots) < n:
+            slot = next(i for i in range(len(self.slots) + len(self.stopping) + 1)
+                        if i not in self.slots and i not in self.stopping)  # a draining one keeps its id
+            self.slots[slot] = self._spawn(slot)
+        while len(self.slots) > n:
+            slot = max(self.slots)  # the newest slot goes first
+            proc = self.slots.pop(slot)
+            proc.send_signal(signal.SIGTERM)  # it drains: finishes what it holds, commits, leaves the group
+            self.stopping[slot] = proc
+
+    async def close(self) -> None:
+        """Stop every worker (each drains) and wait for them."""
+        await self.scale(0)
+        deadline = time.monotonic() + self.drain_timeout_s + 15.0
+        while self.stopping and time.monotonic() < deadline:
+            await self.replicas()
+            await asyncio.sleep(0.1)
+        for proc in self.stopping.values():
+            proc.kill()
+            proc.wait()
+        self.stopping.clear()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.slots.values()]
+
+    def _spawn(self, slot: int) -> subprocess.Popen[bytes]:
+        self.started += 1
+        instance = f"{consumer_group(self.model)}-{slot}"
+        log_path = str(self.log_dir / f"autoscale-{self.model}-{slot}.log") if self.log_dir else None
+        return spawn_worker(self.info, self.model, "--instance-id", instance, "--worker-id", instance,
+                            "--drain-timeout-s", str(self.drain_timeout_s), *self.worker_args, log_path=log_path)
+
+
+@dataclass
+class KubernetesPool:
+    """A Deployment's replicas, through the ``scale`` subresource of the Kubernetes API."""
+
+    deployment: str
+    namespace: str = "default"
+    api: str | None = None  # default: the in-cluster API server
+    token_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+
+    def __post_init__(self) -> None:
+        if self.api is None:
+            host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+            if not host:
+                raise ValueError("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): pass --kube-api URL")
+            self.api = f"https://{host}:{port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.api}/apis/apps/v1/namespaces/{self.namespace}/deployments/{self.deployment}/scale"
+
+    async def replicas(self) -> int:
+        scale = await asyncio.to_thread(self._call, "GET", None)
+        return int(scale.get("spec", {}).get("replicas", 0))
+
+    async def scale(self, n: int) -> None:
+        await asyncio.to_thread(self._call, "PATCH", {"spec": {"replicas": n}})
+
+    async def close(self) -> None:
+        pass  # the Deployment keeps its last size
+
+    def _call(self, method: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/merge-patch+json"
+        if self.token_file and Path(self.token_file).exists():
+            headers["Authorization"] = f"Bearer {Path(self.token_file).read_text().strip()}"
+        context = None
+        if self.url.startswith("https:"):
+            context = ssl.create_default_context(cafile=self.ca_file if self.ca_file and Path(self.ca_file).exists()
+                                                 else None)
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(request, timeout=10, context=context) as resp:
+            answer: dict[str, Any] = json.loads(resp.read())
+            return answer
+
+
+@dataclass
+class AutoscaleLoop:
+    bootstrap: str
+    redis_url: str
+    model: str
+    pool: Pool
+    policy: ScalePolicy = field(default_factory=ScalePolicy)
+    interval_s: float = 1.0
+    mode: str = "local"
+    commit_interval_ms: float = 100.0  # the workers' (the lag monitor discounts it)
+    scaler: Autoscaler = field(init=False)
+    history: list[dict[str, Any]] = field(default_factory=list)  # every observation, for benchmarks
+
+    def __post_init__(self) -> None:
+        self.scaler = Autoscaler(self.policy)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        monitor = LagMonitor(self.bootstrap, self.redis_url, models=[self.model], interval_s=self.interval_s,
+                             policy=HealthPolicy(commit_interval_ms=self.commit_interval_ms))
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        redis = aioredis.Redis.from_url(self.redis_url)
+        await admin.start()
+        await consumer.start()
+        try:
+            await self.pool.scale(max(self.policy.min_replicas, await self.pool.replicas()))
+            while not stop.is_set():
+                try:
+                    await self.step(monitor, admin, consumer, redis)
+                except (KafkaError, RedisError, OSError) as exc:
+                    log.warning("autoscale poll failed, retrying: %s", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
+        finally:
+            await consumer.stop()
+            await admin.close()
+            await redis.aclose()
+
+    async def step(self, monitor: LagMonitor, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer,
+                   redis: aioredis.Redis) -> None:
+        states = await monitor.poll(admin, consumer, redis)
+        if not states:
+            log.warning("%s has no request topics: nothing to scale", self.model)
+            return
+        state, estimator = states[0], monitor.estimators[self.model]
+        stats = monitor.stats.get(self.model)
+        replicas = await self.pool.replicas()
+        obs = Observation(time.monotonic(), state.arrival_rps, estimator.queued(), state.lag, replicas,
+                          monitor.partitions[self.model], capacity_rps=state.capacity_rps,
+                          serving=stats.workers if stats is not None else 0)
+        rec = self.scaler.observe(obs)
+        REPLICAS.labels(self.model).set(rec.replicas)
+        RECOMMENDED.labels(self.model).set(rec.raw)
+        LOAD.labels(self.model).set(rec.load_rps)
+        REPLICA_RPS.labels(self.model).set(rec.replica_rps)
+        self.history.append({"t": obs.now, "arrival_rps": state.arrival_rps, "lag": state.lag,
+                             "queued": round(obs.queued, 1), "wait_ms": state.predicted_wait_ms,
+                             "replicas": replicas, "target": rec.replicas, "replica_rps": rec.replica_rps})
+        pipe = redis.pipeline(transaction=False)
+        if rec.replicas != replicas:
+            await self.pool.scale(rec.replicas)
+            CHANGES.labels(self.model, rec.reason.value).inc()
+            log.info("%s: %d -> %d replicas (%s: load %.1f/s, %.1f/s per replica, queued %.0f, wait %.0f ms)",
+                     self.model, replicas, rec.replicas, rec.reason.value, rec.load_rps, rec.replica_rps,
+                     obs.queued, rec.wait_ms)
+            decision = ScaleDecision(now_ms(), self.model, replicas, rec.replicas, rec.reason.value, rec.load_rps,
+                                     rec.replica_rps, round(obs.queued, 1), rec.wait_ms)
+            pipe.lpush(SCALE_DECISIONS_KEY, decision.pack())
+            pipe.ltrim(SCALE_DECISIONS_KEY, 0, SCALE_DECISIONS_KEPT - 1)
+        current = ScaleState(self.model, self.mode, rec.replicas, rec.raw, self.policy.min_replicas,
+                             min(self.policy.max_replicas, obs.partitions), rec.load_rps, rec.replica_rps,
+                             now_ms(), restarts=getattr(self.pool, "restarts", 0))
+        pipe.set(scale_state_key(self.model), current.pack(), px=max(10_000, int(self.interval_s * 10_000)))
+        await pipe.execute()
+
+
+def keda_scaled_object(model: str, bootstrap: str, policy: ScalePolicy, *, deployment: str, namespace: str,
+                       target_wait_ms: float = 100.0, polling_s: int = 5) -> dict[str, Any]:
+    """The KEDA ScaledObject closest to ``kinfer autoscale``: KEDA's Kafka scaler asks for
+    ``total lag / lagThreshold`` replicas, so the threshold is the lag one replica clears within
+    ``target_wait_ms`` at the target utilisation (which needs ``policy.replica_rps``: KEDA cannot
+    measure it). Cooldowns and the down window become the HPA's behaviour."""
+    if policy.replica_rps <= 0:
+        raise ValueError("--emit keda needs --replica-rps (what one worker drains while busy): "
+                         "KEDA sizes by lag per replica and cannot measure it")
+    threshold = max(1, math.floor(policy.replica_rps * policy.target_utilisation * target_wait_ms / 1000.0))
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": f"{deployment}-lag", "namespace": namespace,
+                     "labels": {"app.kubernetes.io/part-of": "kinfer", "kinfer.model": model}},
+        "spec": {
+            "scaleTargetRef": {"name": deployment},
+            "pollingInterval": polling_s,
+            "cooldownPeriod": int(policy.down_window_s),  # before scaling to zero
+            "minReplicaCount": policy.min_replicas,
+            "maxReplicaCount": policy.max_replicas,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": 0,
+                            "policies": [{"type": "Percent", "value": 100,
+                                          "periodSeconds": int(policy.up_cooldown_s)}]},
+                "scaleDown": {"stabilizationWindowSeconds": int(policy.down_window_s),
+                              "policies": [{"type": "Percent", "value": 100,
+                                            "periodSeconds": int(policy.down_cooldown_s)}]},
+            }}},
+            "triggers": [{
+                "type": "kafka",
+                "metadata": {
+                    # No topic: every topic the group consumes (the model's p0, p1 and p2 topics).
+                    "bootstrapServers": bootstrap,
+                    "consumerGroup": consumer_group(model),
+                    "lagThreshold": str(threshold),
+                    "activationLagThreshold": "0",
+                    "offsetResetPolicy": "earliest",
+                    "allowIdleConsumers": "false",  # never more replicas than partitions
+                    "excludePersistentLag": "false",
+                },
+            }],
+        },
+    }
