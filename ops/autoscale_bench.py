@@ -128,8 +128,9 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
                 "model": f"simulated accelerator, {per_input_ms:g} ms per input (batching buys nothing)",
                 "trace": asdict(trace), "policy": asdict(policy), "deadline_ms": deadline_ms, "sla_ms": SLA_MS,
             }
+            log_dir = Path(info.home) if Path(info.home).is_dir() else None  # an external stack has none
             auto_run, auto, loop = asyncio.run(_autoscaled(info, models[0], trace, policy, worker_args, deadline_ms,
-                                                           seed))
+                                                           seed, log_dir))
             report["autoscaled"] = auto
             per = loop.scaler.replica_rps or 1000.0 / per_input_ms
             report["replica_rps_measured"] = round(per, 1)
@@ -151,8 +152,8 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
 
 
 async def _autoscaled(info: StackInfo, model: str, trace: Trace, policy: ScalePolicy, worker_args: list[str],
-                      deadline_ms: int, seed: int) -> tuple[Run, dict[str, Any], AutoscaleLoop]:
-    pool = LocalPool(info, model, worker_args, Path(info.home))
+                      deadline_ms: int, seed: int, log_dir: Path | None) -> tuple[Run, dict[str, Any], AutoscaleLoop]:
+    pool = LocalPool(info, model, worker_args, log_dir)
     loop = AutoscaleLoop(info.bootstrap, info.redis_url, model, pool, policy, interval_s=0.5)
     stop = asyncio.Event()
     task = asyncio.create_task(loop.run(stop))
@@ -244,6 +245,9 @@ def _summarize(run: Run, trace: Trace, scale_up: bool) -> dict[str, Any]:
         "worker_seconds": round(worker_s, 1),
         "mean_replicas": round(worker_s / trace.duration_s, 2),
         "peak_replicas": max((s["replicas"] for s in samples), default=0),
+        # [seconds into the trace, workers alive] at each change: 1 -> 3 -> 1 reads [[0, 1], [61.5, 2], ...]
+        "replicas_over_time": [[s["t"], s["replicas"]] for i, s in enumerate(samples)
+                               if i == 0 or s["replicas"] != samples[i - 1]["replicas"]],
         "p95_ms": _ms(percentile(ok, 95)), "p99_ms": _ms(percentile(ok, 99)),
         "sla_ok_fraction": round(sum(c.kind == "ok" and c.latency_ms <= SLA_MS for c in outside) / len(outside), 5)
         if outside else None,
