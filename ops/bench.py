@@ -15,19 +15,10 @@ from consumers.runners.generator import GenInput, Sampling
 from consumers.runners.registry import minilm_path
 from ops.load import make_texts, open_loop, percentile
 from ops.procs import scrape, spawn_worker, stop_process, wait_until_served
+from ops.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, meets_sla
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
-
-SLA_P95_MS = 150.0
-SLA_P99_MS = 250.0
-SLA_MIN_OK = 0.99  # a rate whose requests are refused or lost more than this does not count
-
-
-def meets_sla(ok_fraction: float, p95_ms: float | None, p99_ms: float | None, min_ok: float = SLA_MIN_OK) -> bool:
-    """P95 < 150 ms, P99 < 250 ms, and at least ``min_ok`` of the requests answered ok."""
-    return (ok_fraction >= min_ok and p95_ms is not None and p99_ms is not None
-            and p95_ms < SLA_P95_MS and p99_ms < SLA_P99_MS)
 
 # Worker flags per policy. CoDel is off and deadlines are long in every run, so what is measured
 # is batching alone: throughput at a latency target, not how gracefully overload is refused.

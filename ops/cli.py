@@ -18,6 +18,7 @@ from typing import Any
 from batcher import BatchPolicy
 from consumers.worker import WorkerSettings
 from ops.scaling import ScalePolicy
+from ops.simulate import SimConfig
 from ops.stack import LocalStack, StackError, fetch_kafka, resolve_endpoints
 from topics.errors import KinferError
 
@@ -338,6 +339,30 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from ops.simulate import SimConfig, load_models, size_fleet
+
+    models = load_models(args.models)
+    cfg = SimConfig(transport_ms=args.transport_ms, worker_cpu_ms=args.worker_cpu_ms, brokers=args.brokers,
+                    broker_failover_s=args.broker_failover_s, session_timeout_s=args.session_timeout_s,
+                    admission=not args.no_admission)
+    report = size_fleet(models, args.qps, cfg, seconds=args.seconds, seed=args.seed,
+                        log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(report, allow_nan=False))
+        return 0
+    together = report["together"]
+    print(f"{args.qps:,.0f} requests/s: {report['total_workers']} workers "
+          f"({', '.join(f'{m} {n}' for m, n in report['fleet'].items())}); "
+          f"fleet p95 {together['fleet']['p95_ms']} ms, p99 {together['fleet']['p99_ms']} ms, "
+          f"ok {together['fleet']['ok_fraction']:.4%}: {'meets' if report['meets_sla'] else 'MISSES'} the SLA")
+    for fail in ("worker", "broker"):
+        during = report[f"{fail}_failure"]["during_failure"]
+        print(f"  one {fail} lost: requests sent in the next seconds p95 {during['p95_ms']} ms, "
+              f"p99 {during['p99_ms']} ms, ok {during['ok_fraction']:.4%}")
+    return 0
+
+
 def cmd_telemetry(args: argparse.Namespace) -> int:
     from ops.telemetry import run
 
@@ -535,6 +560,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_args(a, ScalePolicy, SCALE_FLAGS)
     a.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then flags for each local worker")
     a.set_defaults(func=cmd_autoscale)
+
+    sm = sub.add_parser("simulate", help="discrete-event simulation: the smallest fleet meeting the SLA at a rate")
+    sm.add_argument("--qps", type=float, default=25_000.0)
+    sm.add_argument("--models", help="JSON/YAML: [{name, share, batch_ms | kind: generate, ...}] "
+                                     "(default: embeddings 60 %%, classifier 30 %%, a small generator 10 %%)")
+    sm.add_argument("--seconds", type=float, default=10.0, help="simulated seconds per run [%(default)s]")
+    sm.add_argument("--transport-ms", type=float, default=_default(SimConfig, "transport_ms"),
+                    help="send -> fetched by a worker [%(default)s]")
+    sm.add_argument("--worker-cpu-ms", type=float, default=_default(SimConfig, "worker_cpu_ms"),
+                    help="the worker's own CPU per request (kinfer bench transport) [%(default)s]")
+    sm.add_argument("--brokers", type=int, default=_default(SimConfig, "brokers"))
+    sm.add_argument("--broker-failover-s", type=float, default=_default(SimConfig, "broker_failover_s"))
+    sm.add_argument("--session-timeout-s", type=float, default=_default(SimConfig, "session_timeout_s"))
+    sm.add_argument("--no-admission", action="store_true", help="producers ignore the health signal")
+    sm.add_argument("--seed", type=int, default=1)
+    sm.add_argument("--json", action="store_true")
+    sm.set_defaults(func=cmd_simulate)
 
     tl = sub.add_parser("telemetry", help="the telemetry stream processor (faust): windowed per-model tables")
     tl.add_argument("--window-s", type=int, default=10, help="tumbling window length, whole seconds")

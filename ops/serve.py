@@ -21,14 +21,14 @@ import sys
 import time
 from typing import Any
 
-from ops.bench import SLA_P95_MS, SLA_P99_MS, _log
+from ops.bench import _log
 from ops.load import make_texts
 from ops.procs import spawn, spawn_worker, stop_process
+from ops.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS
 from ops.stack import LocalStack, StackInfo, free_port
 from ops.transport import _LoadGen, _sweep, _wait_http, _wait_served
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
-SLA_MIN_OK = 0.99
 # (processes, threads each, batch size) × runtime: the layouts the model alone is tried in.
 LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 8))
 RUNTIMES = ("torch", "onnx")

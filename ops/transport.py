@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ops.bench import SLA_P95_MS, SLA_P99_MS, meets_sla
 from ops.procs import scrape, spawn, spawn_worker, stop_process, wait_until_served
+from ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
 from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
