@@ -7,6 +7,7 @@ its first predictions are sane, and never predicts less than the smallest time i
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -19,12 +20,13 @@ class ServicePrior:
 
 
 class ServiceTimeModel:
-    def __init__(self, prior: ServicePrior | None = None, forgetting: float = 0.98) -> None:
+    def __init__(self, prior: ServicePrior | None = None, forgetting: float = 0.98, recent: int = 64) -> None:
         if not 0.5 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be within (0.5, 1], got {forgetting}")
         p = prior or ServicePrior()
         self.forgetting = forgetting
         self.observations = 0
+        self._recent_inputs: deque[int] = deque(maxlen=recent)  # batch sizes of the latest observations
         self._floor = 0.0
         # Normal equations of weighted least squares: A·w = r, A seeded as if the prior had been
         # observed ``strength`` times at typical points (1 input of 64 tokens; 16 inputs of 1024).
@@ -45,12 +47,18 @@ class ServiceTimeModel:
         self._add((1.0, float(padded_tokens), float(inputs)), seconds, 1.0)
         self._w = self._solve()
         self.observations += 1
+        self._recent_inputs.append(inputs)
         self._floor = seconds if self.observations == 1 else min(self._floor, seconds)
 
     def predict(self, padded_tokens: int, inputs: int) -> float:
         a, b, c = self._w
         guess = a + b * padded_tokens + c * inputs
         return max(guess, self._floor, 0.0)
+
+    @property
+    def largest_recent(self) -> int:
+        """The largest batch (inputs) among the latest observations: beyond it, predictions extrapolate."""
+        return max(self._recent_inputs, default=0)
 
     @property
     def coefficients(self) -> tuple[float, float, float]:

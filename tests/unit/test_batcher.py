@@ -354,3 +354,34 @@ def test_shed_and_wake_at_look_only_near_the_front_yet_agree_with_a_full_scan(
     expected = {p.payload for p in queued if p.deadline <= now or free_at + b.predict([p]) > p.deadline}
     assert {d.pending.payload for d in b.shed(now, free_at=free_at)} == expected
     assert {p.payload for p in b} == {p.payload for p in queued} - expected
+
+
+def test_a_model_fitted_at_batch_one_alone_still_finds_out_that_batching_pays() -> None:
+    """Seen in the fleet simulator: a few small batches, then hundreds at batch one, all of one
+    length, teach the service model one point along the only direction it ever sees; the rest of the
+    fit is the prior's (CPU-like: 50 us a token), so it predicts a batch of two at twice a batch of
+    one, no request ever 'pays' to join, batches stay at one under any backlog, and the model never
+    sees the point that would correct it. On a device where a batch of 64 costs four times a batch
+    of one (a GPU), a backlog must grow the batches within a few dozen of them."""
+    def true_ms(n: int) -> float:
+        return 1.5 + 0.08 * n
+
+    b: DynamicBatcher[int] = DynamicBatcher(BatchPolicy(max_batch_size=64, max_batch_tokens=10**9))
+    now = 0.0
+    warm = [1] * 3 + [2] * 5 + [3] * 4 + [1] * 300  # the worker's first seconds, then low load
+    for i, size in enumerate(warm):
+        b.add(i, priority=1, size=1, longest=32, deadline=now + 10, now=now)
+        batch = b.next_batch(now)
+        assert batch is not None
+        b.service.observe(32 * size, size, true_ms(size) / 1000.0 * (1 + 0.02 * ((i % 7) - 3) / 3))
+        now += 0.01
+    for i in range(4000):  # a step: a backlog forms
+        b.add(10_000 + i, priority=1, size=1, longest=32, deadline=now + 60, now=now)
+    sizes = []
+    for _ in range(60):
+        batch = b.next_batch(now)
+        assert batch is not None
+        sizes.append(batch.size)
+        b.observe(batch, true_ms(batch.size) / 1000.0)
+        now += true_ms(batch.size) / 1000.0
+    assert max(sizes[-10:]) == 64, sizes
