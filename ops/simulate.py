@@ -95,6 +95,9 @@ class SimConfig:
     transport_jitter_ms: float = 1.0  # mean of an exponential added to it
     reply_ms: float = 1.0  # result published -> the caller has it
     worker_cpu_ms: float = 0.11  # the worker's own work per request (decode, reply, commit share)
+    # The worker's shell per batch, while its executor waits: hand-off to the executor thread, the
+    # replies published before the next batch starts. tests/integration/test_simulate.py measures it.
+    batch_overhead_ms: float = 2.0
     service_cv: float = 0.05  # lognormal noise on each forward pass
     session_timeout_s: float = 6.0  # a dead worker's partitions move after this
     brokers: int = 3
@@ -218,7 +221,7 @@ class _Worker:
                 return
             self.in_flight = batch.payloads
             seconds = self.sim.noisy(self.pool.model.forward_ms(batch.size) / 1000.0) \
-                + self.sim.cfg.worker_cpu_ms * batch.size / 1000.0
+                + (self.sim.cfg.worker_cpu_ms * batch.size + self.sim.cfg.batch_overhead_ms) / 1000.0
             self.batcher.observe(batch, seconds)
         else:
             assert self.gen is not None
@@ -233,7 +236,7 @@ class _Worker:
                 return
             seconds = self.sim.noisy((m.step_ms + m.step_ms_per_seq * running
                                       + m.prefill_ms_per_token * m.prompt_tokens * len(plan.admit)) / 1000.0) \
-                + self.sim.cfg.worker_cpu_ms * len(plan.admit) / 1000.0
+                + (self.sim.cfg.worker_cpu_ms * len(plan.admit) + self.sim.cfg.batch_overhead_ms) / 1000.0
             self.in_flight = []
         self.busy = True
         self.busy_s += seconds
@@ -324,19 +327,24 @@ class Simulation:
             if self.cfg.admission and not health_decision(pool.health, Priority.P1, m.deadline_ms).admit:
                 r.outcome, r.done = "refused", now
             else:
-                pool.produced += 1
                 delay = (self.cfg.transport_ms + self.rng.expovariate(1.0 / self.cfg.transport_jitter_ms)
                          if self.cfg.transport_jitter_ms > 0 else self.cfg.transport_ms) / 1000.0
                 at = now + delay
                 down = self._broker_down
                 if down is not None and r.partition % self.cfg.brokers == 0 and down[0] <= now < down[1]:
                     at = down[1] + delay  # its leader died: it waits for the new one
-                self.at(at, lambda: pool.deliver(r))
+                self.at(at, lambda: self._produced(pool, r))
             nxt = now + self.rng.expovariate(rate)
             if nxt < end:
                 self.at(nxt, arrive)
 
         self.at(self.rng.expovariate(rate), arrive)
+
+    @staticmethod
+    def _produced(pool: _Pool, r: Request) -> None:
+        """In the log (counted in the log-end offsets the lag monitor reads), and fetched."""
+        pool.produced += 1
+        pool.deliver(r)
 
     def _report(self, warmup_s: float, end: float) -> dict[str, Any]:
         measured = [r for r in self.requests if warmup_s <= r.sent < end]
@@ -345,7 +353,7 @@ class Simulation:
             mine = [r for r in measured if r.model == name]
             out["models"][name] = {"workers": len(pool.workers), **_latency(mine),
                                    "utilisation": round(sum(w.busy_s for w in pool.workers)
-                                                        / (len(pool.workers) * (end + 30.0)), 3)}
+                                                        / (len(pool.workers) * end), 3)}
         out["fleet"] = {"workers": sum(len(p.workers) for p in self.pools.values()), **_latency(measured)}
         if self.cfg.fail != "none":
             t0 = warmup_s + self.cfg.fail_at_s
