@@ -188,6 +188,8 @@ class _Worker:
         self.requests: dict[str, Request] = {}  # generation: by sequence id
         self.in_flight: list[Request] = []
         self.busy_s = 0.0
+        self.batches = 0
+        self.inputs = 0
 
     def add(self, r: Request) -> None:
         now, m = self.sim.now, self.pool.model
@@ -220,6 +222,8 @@ class _Worker:
             if batch is None:
                 return
             self.in_flight = batch.payloads
+            self.batches += 1
+            self.inputs += batch.size
             seconds = self.sim.noisy(self.pool.model.forward_ms(batch.size) / 1000.0) \
                 + (self.sim.cfg.worker_cpu_ms * batch.size + self.sim.cfg.batch_overhead_ms) / 1000.0
             self.batcher.observe(batch, seconds)
@@ -351,8 +355,11 @@ class Simulation:
         out: dict[str, Any] = {"models": {}}
         for name, pool in self.pools.items():
             mine = [r for r in measured if r.model == name]
+            batches = sum(w.batches for w in pool.workers)
             out["models"][name] = {"workers": len(pool.workers), **_latency(mine),
-                                   "utilisation": round(sum(w.busy_s for w in pool.workers)
+                                   "mean_batch": round(sum(w.inputs for w in pool.workers) / batches, 1)
+                                   if batches else None,
+                                   "busy_fraction": round(sum(w.busy_s for w in pool.workers)
                                                         / (len(pool.workers) * end), 3)}
         out["fleet"] = {"workers": sum(len(p.workers) for p in self.pools.values()), **_latency(measured)}
         if self.cfg.fail != "none":
@@ -397,7 +404,7 @@ def size_fleet(models: list[SimModel], qps: float, cfg: SimConfig | None = None,
         tried: list[dict[str, Any]] = []
         while True:
             stats = Simulation([m], {m.name: n}, rate, cfg, seed).run(seconds)["models"][m.name]
-            tried.append({k: stats[k] for k in ("workers", "p95_ms", "p99_ms", "ok_fraction", "utilisation")})
+            tried.append({k: stats[k] for k in ("workers", "p95_ms", "p99_ms", "ok_fraction", "busy_fraction")})
             log(f"{m.name}: {n} workers at {rate:.0f}/s: p95 {stats['p95_ms']} p99 {stats['p99_ms']} "
                 f"ok {stats['ok_fraction']}")
             if meets(stats, cfg.min_ok) or n >= m.partitions:
