@@ -36,6 +36,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 
 from ops.autoscaler import AutoscaleLoop, LocalPool
 from ops.lagmon import LagMonitor
@@ -46,6 +47,7 @@ from ops.stack import LocalStack, StackInfo
 from producers import Client
 from topics import DeadlineExceeded, KinferError
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from topics.names import request_topics
 
 SLA_MS = 250.0  # per request: the P99 bound
 RECOVERED_WAIT_MS = 100.0
@@ -146,9 +148,22 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
             return report
         finally:
             stop_process(telemetry)
+            asyncio.run(_delete_topics(info, models))
     finally:
         if stack is not None and started:
             stack.down()
+
+
+async def _delete_topics(info: StackInfo, models: tuple[str, ...]) -> None:
+    """The benchmark's models go with it: nobody serves them any more (a listing must not offer them)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=info.bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([t for m in models for t in request_topics(m)])
+    except KafkaError as exc:
+        _log(f"could not delete the benchmark's topics: {exc}")
+    finally:
+        await admin.close()
 
 
 async def _autoscaled(info: StackInfo, model: str, trace: Trace, policy: ScalePolicy, worker_args: list[str],

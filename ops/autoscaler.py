@@ -89,17 +89,28 @@ class LocalPool:
     stopping: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)  # SIGTERMed, draining
     restarts: int = 0
     started: int = 0
+    # A worker that keeps dying (a bad flag, a missing model) is started again after 1, 2, 4 ... 60 s.
+    _backoff: dict[int, tuple[float, float]] = field(default_factory=dict)  # slot -> (next start, delay)
 
     async def replicas(self) -> int:
         for slot, proc in list(self.stopping.items()):
             if proc.poll() is not None:
                 del self.stopping[slot]
+        now = time.monotonic()
         for slot, proc in list(self.slots.items()):
-            if proc.poll() is not None:  # died: the same slot again (its instance id rejoins at once)
-                log.warning("%s worker %d exited with %s: starting it again", self.model, slot, proc.returncode)
-                self.restarts += 1
-                RESTARTS.labels(self.model).inc()
-                self.slots[slot] = self._spawn(slot)
+            if proc.poll() is None:
+                continue
+            # Died: the same slot again (its instance id rejoins at once), after a growing pause.
+            at, delay = self._backoff.get(slot, (0.0, 0.5))
+            if now < at:
+                continue
+            delay = min(60.0, delay * 2)
+            self._backoff[slot] = (now + delay, delay)
+            log.warning("%s worker %d exited with %s: starting it again (next time no sooner than in %.0f s)",
+                        self.model, slot, proc.returncode, delay)
+            self.restarts += 1
+            RESTARTS.labels(self.model).inc()
+            self.slots[slot] = self._spawn(slot)
         return len(self.slots)
 
     async def scale(self, n: int) -> None:
@@ -195,7 +206,6 @@ class AutoscaleLoop:
     mode: str = "local"
     commit_interval_ms: float = 100.0  # the workers' (the lag monitor discounts it)
     scaler: Autoscaler = field(init=False)
-    history: list[dict[str, Any]] = field(default_factory=list)  # every observation, for benchmarks
 
     def __post_init__(self) -> None:
         self.scaler = Autoscaler(self.policy)
@@ -239,9 +249,6 @@ class AutoscaleLoop:
         RECOMMENDED.labels(self.model).set(rec.raw)
         LOAD.labels(self.model).set(rec.load_rps)
         REPLICA_RPS.labels(self.model).set(rec.replica_rps)
-        self.history.append({"t": obs.now, "arrival_rps": state.arrival_rps, "lag": state.lag,
-                             "queued": round(obs.queued, 1), "wait_ms": state.predicted_wait_ms,
-                             "replicas": replicas, "target": rec.replicas, "replica_rps": rec.replica_rps})
         pipe = redis.pipeline(transaction=False)
         if rec.replicas != replicas:
             await self.pool.scale(rec.replicas)

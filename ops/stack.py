@@ -424,7 +424,8 @@ def _redis_ready(url: str) -> bool:
 
 
 async def _kafka_ready(bootstrap: str, timeout_s: float, brokers: int = 1) -> bool:
-    """A metadata request succeeds and the cluster lists ``brokers`` brokers."""
+    """Every broker of ``bootstrap`` answers metadata listing ``brokers`` brokers (each has its own
+    view of the cluster, and one that lags would have topics created with too few copies)."""
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.errors import KafkaError
 
@@ -433,13 +434,17 @@ async def _kafka_ready(bootstrap: str, timeout_s: float, brokers: int = 1) -> bo
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # refused connections are expected while the broker starts
     try:
+        pending = bootstrap.split(",")
         while time.monotonic() < deadline:
-            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
+            admin = AIOKafkaAdminClient(bootstrap_servers=pending[0], request_timeout_ms=2000)
             try:
                 await admin.start()
                 cluster = await admin.describe_cluster()
                 if len(cluster.get("brokers") or []) >= brokers:
-                    return True
+                    pending.pop(0)
+                    if not pending:
+                        return True
+                    continue
             except (KafkaError, OSError):
                 pass
             finally:
