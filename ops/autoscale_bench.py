@@ -34,12 +34,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from ops.autoscaler import AutoscaleLoop, LocalPool
-from ops.lagmon import LagMonitor
+from ops.lagmon import LagMonitor, offset_clients
 from ops.load import fire, percentile
 from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
 from ops.scaling import ScalePolicy
@@ -227,11 +226,7 @@ async def _sample(info: StackInfo, model: str, t0: float, replicas: Callable[[],
                   stop: asyncio.Event, interval_s: float = 0.5) -> None:
     """The lag monitor's view of the model, and the workers alive, every ``interval_s``."""
     monitor = LagMonitor(info.bootstrap, info.redis_url, models=[model], interval_s=interval_s)
-    admin = AIOKafkaAdminClient(bootstrap_servers=info.bootstrap)
-    consumer = AIOKafkaConsumer(bootstrap_servers=info.bootstrap, enable_auto_commit=False)
-    await admin.start()
-    await consumer.start()
-    try:
+    async with offset_clients(info.bootstrap) as (admin, consumer):
         while not stop.is_set():
             states = await monitor.poll(admin, consumer)
             if states:
@@ -240,9 +235,6 @@ async def _sample(info: StackInfo, model: str, t0: float, replicas: Callable[[],
                              "wait_ms": s.predicted_wait_ms, "replicas": replicas()})
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
-    finally:
-        await consumer.stop()
-        await admin.close()
 
 
 def _summarize(run: Run, trace: Trace, scale_up: bool) -> dict[str, Any]:

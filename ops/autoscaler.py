@@ -42,7 +42,7 @@ from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
 from ops.health import HealthPolicy
-from ops.lagmon import LagMonitor
+from ops.lagmon import LagMonitor, offset_clients
 from ops.procs import spawn_worker
 from ops.scaling import (
     SCALE_DECISIONS_KEPT,
@@ -213,23 +213,18 @@ class AutoscaleLoop:
     async def run(self, stop: asyncio.Event) -> None:
         monitor = LagMonitor(self.bootstrap, self.redis_url, models=[self.model], interval_s=self.interval_s,
                              policy=HealthPolicy(commit_interval_ms=self.commit_interval_ms))
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
         redis = aioredis.Redis.from_url(self.redis_url)
-        await admin.start()
-        await consumer.start()
         try:
-            await self.pool.scale(max(self.policy.min_replicas, await self.pool.replicas()))
-            while not stop.is_set():
-                try:
-                    await self.step(monitor, admin, consumer, redis)
-                except (KafkaError, RedisError, OSError) as exc:
-                    log.warning("autoscale poll failed, retrying: %s", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.interval_s)
+            async with offset_clients(self.bootstrap) as (admin, consumer):
+                await self.pool.scale(max(self.policy.min_replicas, await self.pool.replicas()))
+                while not stop.is_set():
+                    try:
+                        await self.step(monitor, admin, consumer, redis)
+                    except (KafkaError, RedisError, OSError) as exc:
+                        log.warning("autoscale poll failed, retrying: %s", exc)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.interval_s)
         finally:
-            await consumer.stop()
-            await admin.close()
             await redis.aclose()
 
     async def step(self, monitor: LagMonitor, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer,

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -79,26 +80,21 @@ class LagMonitor:
 
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_topics(self.bootstrap, [health_topic_spec()])
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all")
         redis = aioredis.Redis.from_url(self.redis_url)
-        await admin.start()
-        await consumer.start()
         await producer.start()
         try:
-            while not stop.is_set():
-                try:
-                    for state in await self.poll(admin, consumer, redis):
-                        await self._publish(state, producer, redis)
-                except (KafkaError, RedisError, OSError) as exc:
-                    log.warning("lag poll failed, retrying: %s", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.interval_s)
+            async with offset_clients(self.bootstrap) as (admin, consumer):
+                while not stop.is_set():
+                    try:
+                        for state in await self.poll(admin, consumer, redis):
+                            await self._publish(state, producer, redis)
+                    except (KafkaError, RedisError, OSError) as exc:
+                        log.warning("lag poll failed, retrying: %s", exc)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.interval_s)
         finally:
             await producer.stop()
-            await consumer.stop()
-            await admin.close()
             await redis.aclose()
 
     async def poll(
@@ -159,6 +155,22 @@ class LagMonitor:
             await pipe.execute()
         self._changes = [c for c in self._changes if c.model != state.model]
         await producer.send(HEALTH_TOPIC, data, key=state.model.encode())
+
+
+@contextlib.asynccontextmanager
+async def offset_clients(bootstrap: str) -> AsyncIterator[tuple[AIOKafkaAdminClient, AIOKafkaConsumer]]:
+    """What reading a model's lag takes: an admin client (committed offsets) and a consumer (log ends)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await admin.start()
+    try:
+        await consumer.start()
+        try:
+            yield admin, consumer
+        finally:
+            await consumer.stop()
+    finally:
+        await admin.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,10 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
-from aiokafka.admin import AIOKafkaAdminClient
-
-from ops.lagmon import read_offsets
+from ops.lagmon import offset_clients, read_offsets
 from ops.load import fire, percentile
 from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo
@@ -295,20 +292,13 @@ def _summarize(
 
 
 async def _sample_lag(info: StackInfo, into: list[tuple[float, int]], stop: asyncio.Event, model: str = MODEL) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=info.bootstrap)
-    consumer = AIOKafkaConsumer(bootstrap_servers=info.bootstrap, enable_auto_commit=False)
-    await admin.start()
-    await consumer.start()
-    try:
+    async with offset_clients(info.bootstrap) as (admin, consumer):
         while not stop.is_set():
             offsets = await read_offsets(admin, consumer, model)
             if offsets is not None:
                 into.append((time.monotonic(), sum(offsets.lag)))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.1)
-    finally:
-        await consumer.stop()
-        await admin.close()
 
 
 async def _wait_drained(info: StackInfo, model: str = MODEL, timeout_s: float = 120.0) -> None:
