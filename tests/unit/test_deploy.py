@@ -104,3 +104,25 @@ def test_the_keda_object_is_what_the_emitter_writes() -> None:
     assert yaml.safe_load(text) == expected
     assert expected["spec"]["scaleTargetRef"]["name"] in by_kind("Deployment")
     assert bootstrap == by_kind("ConfigMap")["kinfer-endpoints"]["data"]["KINFER_BOOTSTRAP"]
+
+
+def test_the_image_runs_as_a_user_and_a_code_change_does_not_reinstall_torch() -> None:
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    instructions = [line.split(None, 1) for line in lines if line and not line.startswith("#") and line[0].isupper()]
+    names = [i[0] for i in instructions]
+    deps = next(n for n, i in enumerate(instructions) if i[0] == "RUN" and "tomllib" in i[1])
+    code = next(n for n, i in enumerate(instructions) if i == ["COPY", "ops ops"])
+    assert deps < code  # the heavy layer is built from pyproject.toml alone
+    assert next(i for i in instructions if i[0] == "COPY")[1] == "pyproject.toml ./"
+    user = [i[1] for i in instructions if i[0] == "USER"]
+    assert user and user[-1] not in ("root", "0") and names.index("USER") > code
+    cmd = next(i[1] for i in instructions if i[0] == "CMD")
+    assert parses(yaml.safe_load(cmd)).command == "gateway"
+    assert "EXPOSE" in names
+
+
+def test_compose_services_restart_and_report_health() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name in ("worker-minilm", "gateway"):
+        service = compose["services"][name]
+        assert service["restart"] == "unless-stopped" and service["healthcheck"]["test"][0] == "CMD", name
