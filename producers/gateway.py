@@ -6,6 +6,7 @@
     GET  /v1/models                   models with request topics
     POST /v1/embeddings               OpenAI-compatible
     POST /v1/completions              OpenAI-compatible (``stream: true`` for SSE)
+    POST /v1/chat/completions         OpenAI-compatible chat (``stream: true`` for SSE)
     GET  /healthz  /readyz  /metrics  /openapi.json  /docs
 
 Every request goes through the same ``Client`` (same validation, same typed errors), under the
@@ -176,6 +177,57 @@ class CompletionsBody(msgspec.Struct):
         asked = {"n": self.n != 1, "best_of": self.best_of not in (None, 1), "logprobs": self.logprobs is not None,
                  "echo": self.echo, "suffix": self.suffix is not None, "presence_penalty": self.presence_penalty != 0,
                  "frequency_penalty": self.frequency_penalty != 0, "logit_bias": bool(self.logit_bias),
+                 "stream_options": self.stream_options is not None and not self.stream}
+        return next((name for name, wanted in asked.items() if wanted), None)
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text
+    name: str | None = None
+
+
+# A chat becomes one prompt: each turn tagged with its role, then the assistant's tag to answer after.
+# The same plain template for every generator model (the wire carries a prompt, not turns); the
+# turn tags are stop sequences, so an answer never runs on into an invented next turn.
+CHAT_STOP = ("<|user|>", "<|system|>")
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    turns = "".join(f"<|{'system' if m.role == 'developer' else m.role}|>\n{m.content}\n" for m in messages)
+    return f"{turns}<|assistant|>\n"
+
+
+class ChatCompletionsBody(msgspec.Struct):
+    model: ModelName
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=256)]
+    max_tokens: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**62)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI fields kinfer does not implement: refused with a 400 when they ask for anything but the default.
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field asking for something kinfer does not do (never silently ignored)."""
+        asked = {"n": self.n != 1, "logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None,
+                 "presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
+                 "logit_bias": bool(self.logit_bias), "tools": bool(self.tools),
+                 "tool_choice": self.tool_choice not in (None, "none"),
+                 "response_format": self.response_format not in (None, {"type": "text"}),
                  "stream_options": self.stream_options is not None and not self.stream}
         return next((name for name, wanted in asked.items() if wanted), None)
 
@@ -413,51 +465,72 @@ class _Gateway:
     async def completions(self, request: Request) -> Response:
         who = self.authenticate(request.headers)
         body = decode(await read_body(request), CompletionsBody)
+        return await self._generate(request, who, body, body.prompt, body.max_tokens, "text_completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        who = self.authenticate(request.headers)
+        body = decode(await read_body(request), ChatCompletionsBody)
+        max_tokens = body.max_completion_tokens or body.max_tokens or 16
+        return await self._generate(request, who, body, chat_prompt(body.messages), max_tokens, "chat.completion",
+                                    stop=list(CHAT_STOP))
+
+    async def _generate(self, request: Request, who: Tenant | None, body: CompletionsBody | ChatCompletionsBody,
+                        prompt: str, max_tokens: int, kind: str, stop: list[str] | None = None) -> Response:
+        """One generation, as an OpenAI text or chat completion (``kind``), whole or streamed."""
         if (field := body.unsupported()) is not None:
             raise InvalidRequest(f"{field} is not supported by this server (use its default)", field)
         timeout_ms = self.timeout_header(request)
-        name = self.admit(who, "completions")
-        stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-        params: dict[str, Any] = {"max_new_tokens": body.max_tokens, "temperature": body.temperature,
+        route = "completions" if kind == "text_completion" else "chat"
+        name = self.admit(who, route)
+        stops = (stop or []) + ([body.stop] if isinstance(body.stop, str) else (body.stop or []))
+        params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": body.temperature,
                                   "top_p": body.top_p, "seed": body.seed}
-        if stop:
-            params["stop"] = "\x1f".join(s for s in stop if s)
+        if stops:
+            params["stop"] = "\x1f".join(s for s in stops if s)
         deadline = timeout_ms or DEFAULT_TIMEOUT_MS
         created = int(time.time())
-        cid = f"cmpl-{uuid.uuid4().hex}"
+        cid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        head = {"id": cid, "object": kind, "created": created, "model": body.model}
         if body.stream:
-            chunks = self.client.stream(body.model, body.prompt, priority=self.priority_for(who, 1),
+            chunks = self.client.stream(body.model, prompt, priority=self.priority_for(who, 1),
                                         deadline_ms=deadline, params=params, tenant=name)
             first = await _first(chunks)
-            REQUESTS.labels(name, "completions", "200").inc()
-
+            REQUESTS.labels(name, route, "200").inc()
             include_usage = body.stream_options is not None and body.stream_options.include_usage
+            chunk_head = {**head, "object": "chat.completion.chunk"} if kind != "text_completion" else head
 
             def openai_chunk(c: Chunk) -> list[dict[str, Any]]:
-                head = {"id": cid, "object": "text_completion", "created": created, "model": body.model}
-                events = [{**head, "choices": [{"text": c.text, "index": 0, "logprobs": None,
-                                                "finish_reason": _finish(c.finish) if c.final else None}]}]
+                finish = _finish(c.finish) if c.final else None
+                if kind == "text_completion":
+                    choice: dict[str, Any] = {"text": c.text, "index": 0, "logprobs": None, "finish_reason": finish}
+                else:
+                    delta = {"role": "assistant", "content": c.text} if c.seq == 0 else {"content": c.text}
+                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                events = [{**chunk_head, "choices": [choice]}]
                 if include_usage:  # OpenAI's convention: usage null on every chunk, then a last one with it
                     events[0]["usage"] = None
                     if c.final:
                         usage = _usage(c.usage.prompt_tokens, c.usage.completion_tokens)
-                        events.append({**head, "choices": [], "usage": usage})
+                        events.append({**chunk_head, "choices": [], "usage": usage})
                 return events
 
             return _sse_response(_sse(first, chunks, openai_chunk))
         started = time.perf_counter()
-        result = await self.client.infer(body.model, [body.prompt], priority=self.priority_for(who, 1),
+        result = await self.client.infer(body.model, [prompt], priority=self.priority_for(who, 1),
                                          deadline_ms=deadline, params=params, tenant=name)
-        LATENCY.labels(name, "completions").observe(time.perf_counter() - started)
+        LATENCY.labels(name, route).observe(time.perf_counter() - started)
         out = result.outputs[0] if result.outputs else None
         if not isinstance(out, dict) or "text" not in out:
             raise InvalidRequest(f"model {body.model!r} is not a generative model", "model")
-        REQUESTS.labels(name, "completions", "200").inc()
-        return json_response({
-            "id": cid, "object": "text_completion", "created": created, "model": body.model,
-            "choices": [{"text": out["text"], "index": 0, "logprobs": None, "finish_reason": _finish(out["finish"])}],
-            "usage": _usage(out["prompt_tokens"], out["completion_tokens"]),
-        })
+        REQUESTS.labels(name, route, "200").inc()
+        finish = _finish(out["finish"])
+        if kind == "text_completion":
+            choice = {"text": out["text"], "index": 0, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out["text"]}, "logprobs": None,
+                      "finish_reason": finish}
+        return json_response({**head, "choices": [choice],
+                              "usage": _usage(out["prompt_tokens"], out["completion_tokens"])})
 
 
 def create_app(settings: GatewaySettings) -> Starlette:
@@ -477,6 +550,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
          Doc("OpenAI-compatible embeddings", EmbeddingsBody, _ERRORS, timeout_header=True)),
         ("POST", "/v1/completions", gw.completions,
          Doc("OpenAI-compatible completions (stream: true for SSE)", CompletionsBody, _ERRORS, timeout_header=True)),
+        ("POST", "/v1/chat/completions", gw.chat_completions,
+         Doc("OpenAI-compatible chat completions (stream: true for SSE)", ChatCompletionsBody, _ERRORS,
+             timeout_header=True)),
     ]
     document = openapi("kinfer gateway", "1", [(m, p, d) for m, p, _, d in table], (MIN_TIMEOUT_MS, MAX_TIMEOUT_MS))
 

@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -277,6 +278,32 @@ async def test_connections_that_never_finish_their_headers_are_closed(gateway: S
         writer.close()
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:  # a served request is not cut
         assert (await http.get("/healthz")).status_code == 200
+
+
+async def test_openai_package_chat_completions(gateway: Served) -> None:
+    messages: list[Any] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "once upon"}]
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as oai:
+        done = await oai.chat.completions.create(model=gateway.lm, messages=messages, max_tokens=5, temperature=0)
+        choice = done.choices[0]
+        assert done.object == "chat.completion" and choice.message.role == "assistant"
+        assert isinstance(choice.message.content, str) and done.usage is not None
+        assert done.usage.completion_tokens <= 5 and done.usage.prompt_tokens > 2  # the template's tags count
+        stream = await oai.chat.completions.create(model=gateway.lm, messages=messages, max_tokens=5, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+        assert chunks[-1].choices == [] and chunks[-1].usage == done.usage
+        for options in ({"n": 2}, {"logprobs": True}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                        {"response_format": {"type": "json_object"}}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await oai.chat.completions.create(model=gateway.lm, messages=messages, **options)  # type: ignore[call-overload]
+            assert refused.value.param == next(iter(options))
+        with pytest.raises(openai.BadRequestError) as refused:  # an embedding model does not chat
+            await oai.chat.completions.create(model=gateway.emb, messages=messages)
+        assert refused.value.param == "model"
+        with pytest.raises(openai.UnprocessableEntityError):
+            await oai.chat.completions.create(model=gateway.lm, messages=[])
 
 
 async def test_openai_package_retrieve_usage_in_streams_and_unsupported_options(gateway: Served) -> None:
