@@ -107,7 +107,7 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
                     deadline_ms: int = 30_000, seed: int = 7, compare: bool = True, plot: str | None = None,
                     info: StackInfo | None = None, partitions: int = 4) -> dict[str, Any]:
     """Runs on ``info`` when given (the caller's Kafka and Redis), else on the local stack; the PNG goes
-    to ``plot`` (default: the stack's home)."""
+    to ``plot`` (default: the local stack's home, else the current directory)."""
     trace = trace or Trace()
     policy = policy or ScalePolicy(min_replicas=1, max_replicas=partitions, up_cooldown_s=5.0, down_cooldown_s=10.0,
                                    down_window_s=20.0, drain_s=5.0)
@@ -143,7 +143,8 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
                 report["static_peak"] = {**static, "replicas": static_n}
                 runs["static_peak"] = static_run
                 report["worker_seconds_ratio"] = round(auto["worker_seconds"] / static["worker_seconds"], 3)
-            report["plot"] = _plot(runs, trace, plot or os.path.join(info.home, "bench-autoscale.png"))
+            default_plot = os.path.join(str(log_dir), "bench-autoscale.png") if log_dir else "bench-autoscale.png"
+            report["plot"] = _plot(runs, trace, plot or default_plot)
             return report
         finally:
             stop_process(telemetry)
