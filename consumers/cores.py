@@ -156,9 +156,9 @@ class EngineCore(abc.ABC):
         return None
 
     def _result(self, job: Job, status: Status, *, outputs: list[Any] | None = None, error: str | None = None,
-                timings: Timings | None = None) -> Result:
+                timings: Timings | None = None, tokens: int = 0) -> Result:
         return Result(id=job.request.id, model=self.name, status=status, outputs=outputs or [], error=error,
-                      timings=timings or Timings(queue_ms=job.queue_ms), worker=self.worker_id)
+                      timings=timings or Timings(queue_ms=job.queue_ms), worker=self.worker_id, tokens=tokens)
 
 
 # -- one-shot families (embedding, classification) ----------------------------------------------
@@ -205,7 +205,16 @@ class BatchCore(EngineCore):
         if batch is None:
             return Plan(None)
         texts = [t for job in batch.payloads for t in job.request.inputs]
-        return Plan(Work(partial(self._runner.run, texts), batch.predicted_s, batch))
+        return Plan(Work(partial(self._run, texts), batch.predicted_s, batch))
+
+    def _run(self, texts: list[str]) -> tuple[list[Any], list[int] | None]:
+        """The forward pass (in the executor thread), with each text's token count where the runner
+        counts them (its tokenizer's, for usage) — else None."""
+        counted = getattr(self._runner, "run_counted", None)
+        if counted is not None:
+            outputs, tokens = counted(texts)
+            return outputs, tokens
+        return self._runner.run(texts), None
 
     def complete(self, work: Work, outcome: Outcome) -> list[Outgoing]:
         batch: Batch[Job] = work.state
@@ -220,14 +229,15 @@ class BatchCore(EngineCore):
             padding_ratio=batch.padding_ratio, errors=len(jobs) if error is not None else 0,
             waits=[(p.payload.request.priority, outcome.started - p.arrival) for p in batch.items],
         ))
-        outputs: list[Any] = outcome.value if error is None else []
+        outputs, tokens = outcome.value if error is None else ([], None)
         replies, i = [], 0
         compute_ms = took * 1000.0
         for job in jobs:
             n = len(job.request.inputs)
             timings = Timings(job.queue_ms, (outcome.started - job.fetched) * 1000.0, compute_ms, size)
             if error is None:
-                result = self._result(job, Status.OK, outputs=outputs[i : i + n], timings=timings)
+                result = self._result(job, Status.OK, outputs=outputs[i : i + n], timings=timings,
+                                      tokens=sum(tokens[i : i + n]) if tokens is not None else 0)
             else:
                 result = self._result(job, Status.ERROR, error=error, timings=timings)
             replies.append(Outgoing(job, result))

@@ -449,7 +449,8 @@ class _Gateway:
         if not all(isinstance(v, list) for v in result.outputs):
             raise InvalidRequest(f"model {body.model!r} does not produce embeddings", "model")
         REQUESTS.labels(name, "embeddings", "200").inc()
-        tokens = sum(len(t.split()) for t in inputs)
+        # The tokenizer's count where the model reports it; else words, the nearest thing without one.
+        tokens = result.tokens or sum(len(t.split()) for t in inputs)
 
         def encode(vector: list[float]) -> list[float] | str:
             if body.encoding_format == "base64":  # what the openai package asks for: float32, little-endian

@@ -152,6 +152,9 @@ class Result(msgspec.Struct, frozen=True, tag="res", tag_field="t"):
     timings: Timings = Timings()
     worker: str = ""  # which worker instance answered (for debugging redeliveries)
     v: Version = ENVELOPE_VERSION
+    # Tokens the model's tokenizer made of the inputs (special tokens and truncation included), for
+    # usage accounting; 0 where the model does not count them. Absent in older results: 0.
+    tokens: int = 0
 
     @property
     def ok(self) -> bool:

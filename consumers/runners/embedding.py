@@ -254,8 +254,8 @@ class EmbeddingRunner:
         """ONNX against torch on the probe texts, padded together and one by one; refuses ONNX below the bar."""
         texts = list(_PROBE_TEXTS)
         worst = min(
-            [*_cosines(self._run_onnx(texts), self._run_torch(texts))]
-            + [c for t in texts for c in _cosines(self._run_onnx([t]), self._run_torch([t]))]
+            [*_cosines(self._run_onnx(texts)[0], self._run_torch(texts)[0])]
+            + [c for t in texts for c in _cosines(self._run_onnx([t])[0], self._run_torch([t])[0])]
         )
         if worst < ONNX_MIN_COSINE:
             self._session = None
@@ -274,20 +274,24 @@ class EmbeddingRunner:
         return estimate_tokens(text, self.max_length)
 
     def run(self, texts: list[str]) -> list[Any]:
+        return self.run_counted(texts)[0]
+
+    def run_counted(self, texts: list[str]) -> tuple[list[Any], list[int]]:
+        """The vectors, and the tokens each text became (special tokens and truncation included)."""
         if self._session is not None:
             return self._run_onnx(texts)
         return self._run_torch(texts)
 
-    def _run_onnx(self, texts: list[str]) -> list[Any]:
+    def _run_onnx(self, texts: list[str]) -> tuple[list[Any], list[int]]:
         enc = self._tokenizers.get()(texts, padding=True, truncation=True, max_length=self.max_length,
                                      return_tensors="np")
         out = self._session.run(None, {k: enc[k] for k in self._onnx_inputs})[0]
         vectors: list[Any] = out.tolist()
-        return vectors
+        return vectors, [int(n) for n in enc["attention_mask"].sum(axis=1)]
 
     @torch.inference_mode()
-    def _run_torch(self, texts: list[str]) -> list[Any]:
+    def _run_torch(self, texts: list[str]) -> tuple[list[Any], list[int]]:
         enc = encode(self._tokenizers.get(), texts, self.max_length, self.device)
         hidden = self._model(**enc).last_hidden_state
         vectors: list[Any] = _pool(hidden, enc["attention_mask"]).cpu().tolist()
-        return vectors
+        return vectors, [int(n) for n in enc["attention_mask"].sum(dim=1).tolist()]

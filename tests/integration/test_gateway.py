@@ -198,6 +198,7 @@ async def test_openai_package_embeddings_and_completions(gateway: Served) -> Non
         emb = await oai.embeddings.create(model=gateway.emb, input=["a cat", "a dog"])
         vectors = np.array([d.embedding for d in emb.data])
         assert vectors.shape == (2, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+        assert emb.usage.prompt_tokens == 8  # the tokenizer's: [CLS] a cat [SEP], [CLS] a dog [SEP]
         done = await oai.completions.create(model=gateway.lm, prompt="once upon", max_tokens=5, temperature=0)
         assert done.choices[0].finish_reason == "length" and done.usage is not None
         assert done.usage.completion_tokens == 5

@@ -65,6 +65,16 @@ def test_onnx_matches_torch(exported: Any, reference: Any) -> None:
     assert np.allclose(np.linalg.norm(exported.run(TEXTS), axis=1), 1.0, atol=1e-5)
 
 
+def test_both_runtimes_count_the_tokens_the_tokenizer_makes(exported: Any, reference: Any) -> None:
+    """What usage reports: the tokenizer's own count, special tokens and truncation included."""
+    tokenizer = reference._tokenizers.get()
+    expected = [len(tokenizer(t, truncation=True, max_length=reference.max_length)["input_ids"]) for t in TEXTS]
+    assert expected[0] == 3  # [CLS] hello [SEP]
+    for runner in (exported, reference):
+        vectors, tokens = runner.run_counted(TEXTS)  # batched: padding is not counted
+        assert tokens == expected and len(vectors) == len(TEXTS)
+
+
 def test_second_load_reuses_the_cache(exported: Any, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (entry,) = (home / "onnx").iterdir()
     model = entry / "model.onnx"
