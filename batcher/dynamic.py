@@ -307,7 +307,8 @@ class DynamicBatcher(Generic[T]):
         # of one size cannot tell a fixed cost from a per-input one, and a wrong split (a CPU-like prior
         # on a GPU) would keep batches at that size for ever — it must see the next size to learn.
         # (A fresh model has seen nothing: its prior decides.)
-        probe = cost_aware and 0 < self.service.largest_recent < self.policy.max_batch_size
+        largest = self.service.largest_recent
+        probe = cost_aware and 0 < largest < self.policy.max_batch_size
         for i, p in enumerate(ranked[1:], start=1):
             lvl = p.level(now, self._aging_s)
             if closed_below is not None and lvl > closed_below:
@@ -326,7 +327,7 @@ class DynamicBatcher(Generic[T]):
                 grows_by=new_cost - cost, alone=self._cost(p.size, p.longest), riding=len(taken),
                 behind=len(ranked) - i - 1 + (i - len(taken)),
             )
-            if not pays and probe and new_size > self.service.largest_recent and new_longest == longest:
+            if not pays and probe and new_size > largest and new_longest == longest:
                 pays, probe = True, False  # the probe: one request more than the model has seen lately
             if not pays or padded > self.policy.max_padding_ratio * new_real:
                 closed_below = lvl if closed_below is None else closed_below

@@ -171,6 +171,7 @@ class BatchCore(EngineCore):
                  observer: Observer) -> None:
         super().__init__(spec, worker_id, observer)
         self._runner = runner
+        self._counted = getattr(runner, "run_counted", None)  # runners that report each text's tokens
         self.batcher: DynamicBatcher[Job] = DynamicBatcher(policy)
 
     @property
@@ -210,9 +211,8 @@ class BatchCore(EngineCore):
     def _run(self, texts: list[str]) -> tuple[list[Any], list[int] | None]:
         """The forward pass (in the executor thread), with each text's token count where the runner
         counts them (its tokenizer's, for usage) — else None."""
-        counted = getattr(self._runner, "run_counted", None)
-        if counted is not None:
-            outputs, tokens = counted(texts)
+        if self._counted is not None:
+            outputs, tokens = self._counted(texts)
             return outputs, tokens
         return self._runner.run(texts), None
 

@@ -69,6 +69,9 @@ RESTARTS = Counter("kinfer_autoscale_restarts_total", "Local workers that died a
 
 
 class Pool(Protocol):
+    mode: str  # "local" or "kubernetes", for kinfer status
+    restarts: int  # workers that died and were started again by the pool
+
     async def replicas(self) -> int: ...
 
     async def scale(self, n: int) -> None: ...
@@ -85,6 +88,7 @@ class LocalPool:
     worker_args: list[str] = field(default_factory=list)  # passed to each worker (--family, --option, ...)
     log_dir: Path | None = None
     drain_timeout_s: float = 30.0
+    mode: str = field(default="local", init=False)
     slots: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     stopping: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)  # SIGTERMed, draining
     restarts: int = 0
@@ -156,6 +160,8 @@ class KubernetesPool:
     api: str | None = None  # default: the in-cluster API server
     token_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    mode: str = field(default="kubernetes", init=False)
+    restarts: int = field(default=0, init=False)  # the Deployment's controller restarts pods, not us
 
     def __post_init__(self) -> None:
         if self.api is None:
@@ -203,7 +209,6 @@ class AutoscaleLoop:
     pool: Pool
     policy: ScalePolicy = field(default_factory=ScalePolicy)
     interval_s: float = 1.0
-    mode: str = "local"
     commit_interval_ms: float = 100.0  # the workers' (the lag monitor discounts it)
     scaler: Autoscaler = field(init=False)
 
@@ -255,9 +260,9 @@ class AutoscaleLoop:
                                      rec.replica_rps, round(obs.queued, 1), rec.wait_ms)
             pipe.lpush(SCALE_DECISIONS_KEY, decision.pack())
             pipe.ltrim(SCALE_DECISIONS_KEY, 0, SCALE_DECISIONS_KEPT - 1)
-        current = ScaleState(self.model, self.mode, rec.replicas, rec.raw, self.policy.min_replicas,
+        current = ScaleState(self.model, self.pool.mode, rec.replicas, rec.raw, self.policy.min_replicas,
                              min(self.policy.max_replicas, obs.partitions), rec.load_rps, rec.replica_rps,
-                             now_ms(), restarts=getattr(self.pool, "restarts", 0))
+                             now_ms(), restarts=self.pool.restarts)
         pipe.set(scale_state_key(self.model), current.pack(), px=max(10_000, int(self.interval_s * 10_000)))
         await pipe.execute()
 

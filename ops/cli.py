@@ -302,7 +302,7 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
     policy = ScalePolicy(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                          **settings_from_args(args, SCALE_FLAGS))
     deployment = args.deployment or f"kinfer-worker-{args.model}"
-    worker_args = [a for a in args.worker_args if a != "--"]
+    worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
     if args.emit == "keda":
         import yaml
 
@@ -322,7 +322,7 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr=args.metrics_host)
-    loop = AutoscaleLoop(bootstrap, redis_url, args.model, pool, policy, interval_s=args.interval_s, mode=args.mode,
+    loop = AutoscaleLoop(bootstrap, redis_url, args.model, pool, policy, interval_s=args.interval_s,
                          commit_interval_ms=args.commit_interval_ms)
 
     async def main() -> None:

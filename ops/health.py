@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from topics.health import Level
+from topics.health import HealthState, Level
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +173,18 @@ class HealthEstimator:
         if now - self._below_since >= self.policy.min_dwell_s:  # falling: one level at a time
             self.level = Level(self.level - 1)
             self._below_since = None
+
+    def state(self, model: str, updated_ms: int, *, lag_by_priority: tuple[int, int, int] = (0, 0, 0),
+              service_ms: float = 0.0) -> HealthState:
+        """What producers are told: the level and the estimate it was decided on, as of ``updated_ms``."""
+        return HealthState(
+            model=model, level=self.level, predicted_wait_ms=round(self.instant_wait_ms(), 1),
+            retry_after_ms=self.retry_after_ms(), lag=self.lag, arrival_rps=round(self.arrival_rps, 2),
+            drain_rps=round(self.drain_rps, 2), updated_ms=updated_ms, lag_by_priority=lag_by_priority,
+            arrival_by_priority=(round(self.arrival_by_priority[0], 2), round(self.arrival_by_priority[1], 2),
+                                 round(self.arrival_by_priority[2], 2)),
+            service_ms=service_ms, capacity_rps=round(self.capacity_rps, 2),
+        )
 
     def retry_after_ms(self) -> int:
         """How long until the queue should have drained to the DEGRADED threshold."""

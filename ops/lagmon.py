@@ -122,14 +122,8 @@ class LagMonitor:
                 capacity_rps=stats.capacity_rps if stats is not None and fresh else None,
                 progressing=stats is not None and fresh and stats.batches_rps > 0,
             )
-            state = HealthState(
-                model=model, level=level, predicted_wait_ms=round(estimator.instant_wait_ms(), 1),
-                retry_after_ms=estimator.retry_after_ms(), lag=lag, arrival_rps=round(estimator.arrival_rps, 2),
-                drain_rps=round(estimator.drain_rps, 2), updated_ms=measured,
-                lag_by_priority=offsets.lag,
-                arrival_by_priority=_rounded(estimator.arrival_by_priority),
-                service_ms=stats.service_ms if stats else 0.0, capacity_rps=round(estimator.capacity_rps, 2),
-            )
+            state = estimator.state(model, measured, lag_by_priority=offsets.lag,
+                                    service_ms=stats.service_ms if stats else 0.0)
             previous = self.states.get(model)
             if previous is None or previous.level != level:
                 LEVEL_CHANGES.labels(model, level.name.lower()).inc()
@@ -198,10 +192,6 @@ async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, m
         end[p] += ends[tp]
     counts = [len(t["partitions"]) for t in described if t["error_code"] == 0]
     return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()), min(counts))
-
-
-def _rounded(rates: list[float]) -> tuple[float, float, float]:
-    return round(rates[0], 2), round(rates[1], 2), round(rates[2], 2)
 
 
 def _is_request_topic(topic: str) -> bool:

@@ -162,14 +162,9 @@ class _Pool:
         """The lag monitor's view, then the state producers obey."""
         now = self.sim.now
         lag = self.produced - self.finished
-        level = self.estimator.observe(now, lag, self.produced, self.finished)
-        e = self.estimator
-        self.health = HealthState(
-            model=self.model.name, level=level, predicted_wait_ms=e.instant_wait_ms(),
-            retry_after_ms=e.retry_after_ms(), lag=lag, arrival_rps=e.arrival_rps, drain_rps=e.drain_rps,
-            updated_ms=int(now * 1000), capacity_rps=e.capacity_rps,
-            service_ms=self.model.forward_ms(1) if self.model.kind == "batch" else 0.0,
-        )
+        self.estimator.observe(now, lag, self.produced, self.finished)
+        self.health = self.estimator.state(self.model.name, int(now * 1000),
+                                           service_ms=self.model.forward_ms(1) if self.model.kind == "batch" else 0.0)
 
 
 class _Worker:

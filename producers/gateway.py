@@ -151,10 +151,9 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class CompletionsBody(msgspec.Struct):
-    model: ModelName
-    prompt: Text
-    max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
+class _Generation(msgspec.Struct, kw_only=True):
+    """What OpenAI's completion and chat bodies share: sampling, streaming, and options kinfer refuses."""
+
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     stop: str | list[str] | None = None
@@ -164,21 +163,33 @@ class CompletionsBody(msgspec.Struct):
     user: str | None = None
     # OpenAI fields kinfer does not implement: refused with a 400 when they ask for anything but the default.
     n: int = 1
-    best_of: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
+    def _asked(self) -> dict[str, bool]:
+        """Each unimplemented field, and whether the body asks for more than its default."""
+        return {"n": self.n != 1, "presence_penalty": self.presence_penalty != 0,
+                "frequency_penalty": self.frequency_penalty != 0, "logit_bias": bool(self.logit_bias),
+                "stream_options": self.stream_options is not None and not self.stream}
+
     def unsupported(self) -> str | None:
         """The first field asking for something kinfer does not do (never silently ignored)."""
-        asked = {"n": self.n != 1, "best_of": self.best_of not in (None, 1), "logprobs": self.logprobs is not None,
-                 "echo": self.echo, "suffix": self.suffix is not None, "presence_penalty": self.presence_penalty != 0,
-                 "frequency_penalty": self.frequency_penalty != 0, "logit_bias": bool(self.logit_bias),
-                 "stream_options": self.stream_options is not None and not self.stream}
-        return next((name for name, wanted in asked.items() if wanted), None)
+        return next((name for name, wanted in self._asked().items() if wanted), None)
+
+
+class CompletionsBody(_Generation, kw_only=True):
+    model: ModelName
+    prompt: Text
+    max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def _asked(self) -> dict[str, bool]:
+        return {**super()._asked(), "best_of": self.best_of not in (None, 1), "logprobs": self.logprobs is not None,
+                "echo": self.echo, "suffix": self.suffix is not None}
 
 
 class ChatMessage(msgspec.Struct):
@@ -198,38 +209,21 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
     return f"{turns}<|assistant|>\n"
 
 
-class ChatCompletionsBody(msgspec.Struct):
+class ChatCompletionsBody(_Generation, kw_only=True):
     model: ModelName
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Meta(ge=1, le=4096)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1, le=4096)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    stop: str | list[str] | None = None
-    seed: Annotated[int, Meta(ge=0, le=2**62)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    # OpenAI fields kinfer does not implement: refused with a 400 when they ask for anything but the default.
-    n: int = 1
     logprobs: bool = False
     top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def unsupported(self) -> str | None:
-        """The first field asking for something kinfer does not do (never silently ignored)."""
-        asked = {"n": self.n != 1, "logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None,
-                 "presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
-                 "logit_bias": bool(self.logit_bias), "tools": bool(self.tools),
-                 "tool_choice": self.tool_choice not in (None, "none"),
-                 "response_format": self.response_format not in (None, {"type": "text"}),
-                 "stream_options": self.stream_options is not None and not self.stream}
-        return next((name for name, wanted in asked.items() if wanted), None)
+    def _asked(self) -> dict[str, bool]:
+        return {**super()._asked(), "logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None,
+                "tools": bool(self.tools), "tool_choice": self.tool_choice not in (None, "none"),
+                "response_format": self.response_format not in (None, {"type": "text"})}
 
 
 # -- the app ----------------------------------------------------------------------------------
