@@ -426,7 +426,7 @@ def _redis_ready(url: str) -> bool:
 async def _kafka_ready(bootstrap: str, timeout_s: float, brokers: int = 1) -> bool:
     """Every broker of ``bootstrap`` answers metadata listing ``brokers`` brokers (each has its own
     view of the cluster, and one that lags would have topics created with too few copies)."""
-    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.client import AIOKafkaClient
     from aiokafka.errors import KafkaError
 
     deadline = time.monotonic() + timeout_s
@@ -436,11 +436,11 @@ async def _kafka_ready(bootstrap: str, timeout_s: float, brokers: int = 1) -> bo
     try:
         pending = bootstrap.split(",")
         while time.monotonic() < deadline:
-            admin = AIOKafkaAdminClient(bootstrap_servers=pending[0], request_timeout_ms=2000)
+            # A client's bootstrap asks that address, and only it, for metadata: its own view.
+            client = AIOKafkaClient(bootstrap_servers=pending[0], request_timeout_ms=2000)
             try:
-                await admin.start()
-                cluster = await admin.describe_cluster()
-                if len(cluster.get("brokers") or []) >= brokers:
+                await client.bootstrap()
+                if len(client.cluster.brokers()) >= brokers:
                     pending.pop(0)
                     if not pending:
                         return True
@@ -448,7 +448,7 @@ async def _kafka_ready(bootstrap: str, timeout_s: float, brokers: int = 1) -> bo
             except (KafkaError, OSError):
                 pass
             finally:
-                await admin.close()
+                await client.close()
             await asyncio.sleep(0.25)
         return False
     finally:
