@@ -22,6 +22,7 @@ where they are decided.
 from __future__ import annotations
 
 import abc
+import hmac
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,6 +43,7 @@ from consumers.runners.base import BatchRunner, Runner, StepRunner
 from consumers.runners.registry import ModelSpec
 from consumers.runners.sampling import GenInput, Sampling, TokenEvent
 from topics import Chunk, InvalidRequest, Request, Result, Status, Timings, Usage
+from topics.auth import cancel_mac
 
 
 @dataclass(slots=True)
@@ -140,7 +142,9 @@ class EngineCore(abc.ABC):
     def revoke(self, partitions: set[Any]) -> int:
         """Forget every request from ``partitions`` (no replies); returns how many."""
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, mac: bytes | None = None) -> bool:
+        """Stop a request in progress at the next step; ``mac`` proves the canceller sent it (needed
+        when the request carries a reply key). False when unknown, finished or not proven."""
         return False
 
     @abc.abstractmethod
@@ -431,7 +435,13 @@ class GenCore(EngineCore):
                                        finish=why.value, usage=running.usage, error=error, worker=self.worker_id))
         return Outgoing(job, self._result(job, status, error=error, timings=running.timings()))
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, mac: bytes | None = None) -> bool:
+        running = self._seqs.get(request_id)
+        if running is None:
+            return False
+        key = running.job.request.reply_key
+        if key is not None and (mac is None or not hmac.compare_digest(cancel_mac(key, request_id), mac)):
+            return False  # someone else's request: only its sender may stop it
         return self.scheduler.cancel(request_id)
 
     def revoke(self, partitions: set[Any]) -> int:

@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from topics import Reply, ReplyBatch, ReplyRoute, Unavailable, pack
+from topics import Reply, ReplyBatch, ReplyRoute, Unavailable, pack, seal
 from topics.names import DLQ_TOPIC
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,10 @@ class Delivery(NamedTuple):
     route: ReplyRoute
     message: Reply
     batchable: bool = False  # the request reads ``batch`` messages (``batch_reply``)
+    key: bytes | None = None  # the request's reply key: the message goes out sealed with it
+
+    def pack(self) -> bytes:
+        return pack(self.message) if self.key is None else seal(self.message, self.key)
 
 
 class ReplySink:
@@ -120,7 +124,7 @@ class ReplySink:
         to_kafka = routable
         if to_kafka:
             try:
-                futures = [await self._producer.send(topic, pack(out.message), key=out.message.id.encode())
+                futures = [await self._producer.send(topic, out.pack(), key=out.message.id.encode())
                            for topic, out in to_kafka]
                 await asyncio.gather(*futures)
             except KafkaError as exc:
@@ -132,11 +136,16 @@ class ReplySink:
         reached nobody and have no fallback."""
         messages: list[tuple[str, bytes, list[Delivery]]] = []
         for channel, outs in channels.items():
-            batched = [o for o in outs if o.batchable]
-            if len(batched) > 1:
-                messages.append((channel, pack(ReplyBatch([o.message for o in batched])), batched))
-                outs = [o for o in outs if not o.batchable]
-            messages += [(channel, pack(o.message), [o]) for o in outs]
+            by_key: dict[bytes | None, list[Delivery]] = {}
+            for o in outs:
+                if o.batchable:  # one message per reader: same channel, same seal
+                    by_key.setdefault(o.key, []).append(o)
+            for key, batched in by_key.items():
+                if len(batched) > 1:
+                    batch = ReplyBatch([o.message for o in batched])
+                    messages.append((channel, pack(batch) if key is None else seal(batch, key), batched))
+            outs = [o for o in outs if not (o.batchable and len(by_key[o.key]) > 1)]
+            messages += [(channel, o.pack(), [o]) for o in outs]
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for channel, data, _ in messages:

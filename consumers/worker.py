@@ -61,7 +61,9 @@ from topics import (
     decode_request,
     now_ms,
 )
+from topics.auth import Refused, Verifier, load_tenant_rules, parse_secrets
 from topics.backoff import Backoff
+from topics.connect import kafka_options
 from topics.envelope import salvage_route
 from topics.names import CANCEL_CHANNEL, consumer_group, parse_request_topic, request_topics
 
@@ -109,6 +111,10 @@ class WorkerSettings:
     metrics_port: int | None = None  # serve Prometheus metrics here
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container, for a scraper outside it
     drain_timeout_s: float = 30.0  # on SIGTERM, finish buffered work for at most this long
+    # The tenant registry (the gateway's tenants file): with it, a request's tenant must be listed and
+    # may not ask for better than its ceiling. Requests must be signed whenever the process has
+    # signing secrets (KINFER_SIGNING_SECRET); a registry without them is refused at start.
+    tenants: str | None = None
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     def __post_init__(self) -> None:
@@ -172,6 +178,18 @@ class _Feed:
         return found
 
 
+def verifier_from(tenants: str | None, secrets: str) -> Verifier | None:
+    """What the worker checks on every request: signatures when it holds signing secrets, and the
+    tenant registry's rules when it has one (raises ``ValueError`` for a registry without secrets)."""
+    keys = parse_secrets(secrets)
+    if not keys:
+        if tenants is not None:
+            raise ValueError("--tenants needs KINFER_SIGNING_SECRET: a tenant named in an unsigned request "
+                             "could be anyone")
+        return None
+    return Verifier(keys, load_tenant_rules(tenants) if tenants is not None else None)
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings, runners: dict[str, Runner] | None = None) -> None:
         self.settings = settings
@@ -199,6 +217,7 @@ class Worker:
         self._computing: dict[asyncio.Task[None], float] = {}  # running work -> when it is predicted to end
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
+        self._verifier = verifier_from(settings.tenants, os.environ.get("KINFER_SIGNING_SECRET", ""))
         self._sink: ReplySink | None = None
 
     def stop(self) -> None:
@@ -227,11 +246,11 @@ class Worker:
         gc.collect()
         gc.freeze()
 
-        producer = AIOKafkaProducer(bootstrap_servers=s.bootstrap, acks="all", enable_idempotence=True, linger_ms=1)
+        producer = AIOKafkaProducer(**kafka_options(s.bootstrap), acks="all", enable_idempotence=True, linger_ms=1)
         redis = aioredis.Redis.from_url(s.redis_url)
         for feed in self.feeds.values():
             feed.consumer = AIOKafkaConsumer(
-                bootstrap_servers=s.bootstrap,
+                **kafka_options(s.bootstrap),
                 group_id=consumer_group(feed.name),
                 group_instance_id=s.instance_id,
                 client_id=f"kinfer-worker-{s.worker_id}",
@@ -310,6 +329,11 @@ class Worker:
             if value is None:
                 raise InvalidRequest("the record has no value (a tombstone)", "message")
             request = decode_request(value, self.settings.limits)
+            if self._verifier is not None:
+                try:
+                    self._verifier.check(value, record.headers, request.tenant, request.priority, priority)
+                except Refused as refused:
+                    raise InvalidRequest(str(refused), refused.field) from refused
             if request.model != feed.name:
                 raise InvalidRequest(f"model {request.model!r} sent to a topic of {feed.name!r}", "model")
             route = request.reply
@@ -367,10 +391,10 @@ class Worker:
         self.observer.dead_letter(feed.name, exc.field or "")
         salvaged = salvage_route(value, self.settings.limits) if value is not None else None
         if salvaged is not None:
-            rid, route = salvaged
+            rid, route, key = salvaged
             result = Result(rid, feed.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id)
             with contextlib.suppress(Unavailable):  # the DLQ has it; the reply is a courtesy
-                await asyncio.wait_for(self._sink.publish([Delivery(route, result)]), 5.0)
+                await asyncio.wait_for(self._sink.publish([Delivery(route, result, key=key)]), 5.0)
         feed.tracker.done(tp, offset)
         self._commit_wake.set()
 
@@ -463,7 +487,8 @@ class Worker:
 
     async def _publish(self, feed: _Feed, replies: list[Outgoing]) -> None:
         assert self._sink is not None
-        deliveries = [Delivery(o.job.request.reply, o.message, o.job.request.batch_reply) for o in replies]
+        deliveries = [Delivery(o.job.request.reply, o.message, o.job.request.batch_reply, o.job.request.reply_key)
+                      for o in replies]
         give_up_ms = max(o.job.request.deadline_ms for o in replies) + PUBLISH_GRACE_MS
         backoff = Backoff()
         while True:
@@ -497,12 +522,14 @@ class Worker:
                 if msg is None or msg.get("type") != "message":
                     continue
                 try:
-                    note = msgpack.unpackb(msg["data"], raw=False, max_str_len=256, max_map_len=4)
+                    note = msgpack.unpackb(msg["data"], raw=False, max_str_len=256, max_bin_len=64, max_map_len=4)
                     feed = self.feeds.get(note["model"])
-                    rid = note["id"]
-                except (ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError):
+                    rid, mac = note["id"], note.get("mac")
+                except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError):
                     continue
-                if feed is not None and isinstance(rid, str) and feed.core.cancel(rid):
+                if not isinstance(mac, bytes):
+                    mac = None
+                if feed is not None and isinstance(rid, str) and feed.core.cancel(rid, mac):
                     self._wake.set()
         finally:
             await pubsub.aclose()  # type: ignore[no-untyped-call]

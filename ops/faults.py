@@ -44,7 +44,7 @@ from ops.stack import LocalStack, StackInfo
 from producers import Client
 from topics import DeadlineExceeded, KinferError, Priority, ReplyRoute, Request, now_ms, pack
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
-from topics.names import DEFAULT_REPLY_TOPIC, redis_reply_channel, request_topic
+from topics.names import DEFAULT_REPLY_TOPIC, request_topic
 
 SLOW_S = 1.0  # a request slower than this was disturbed by the fault
 
@@ -172,7 +172,7 @@ async def _missing_reply_topic(run: _Run) -> None:
 async def _malformed_replies(run: _Run) -> None:
     bad = msgpack.packb({"v": 1, "t": "res", "id": "x", "model": run.model, "status": "ok", "timings": [1]})
     async with aioredis.Redis.from_url(run.info.redis_url) as r:
-        channel = redis_reply_channel(run.client.client_id)
+        channel = run.client.reply_channel
         await r.publish(channel, bad)
         await r.publish(channel, b"\xc1 not msgpack")
     producer = AIOKafkaProducer(bootstrap_servers=run.info.bootstrap)

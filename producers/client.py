@@ -37,6 +37,7 @@ from topics import (
     DEFAULT_LIMITS,
     Chunk,
     DeadlineExceeded,
+    InvalidRequest,
     KinferError,
     Limits,
     Overloaded,
@@ -51,6 +52,8 @@ from topics import (
     now_ms,
     pack,
 )
+from topics.auth import Signer, cancel_mac, signer_from_env
+from topics.connect import kafka_options
 from topics.health import HealthState
 from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, parse_request_topic, redis_reply_channel, request_topic
 
@@ -75,6 +78,9 @@ class ClientSettings:
     reply_via: Literal["redis", "kafka"] = "redis"  # kafka: every reply over the reply topic (durable, slower)
     admission: bool = True  # obey the health signal and throttle adaptively before enqueueing
     limits: Limits = DEFAULT_LIMITS
+    # Signs each request for its tenant (a deployment whose workers check signatures refuses
+    # unsigned ones). Default: from the environment (KINFER_TENANT_KEY, or KINFER_SIGNING_SECRET).
+    signer: Signer | None = None
 
     def __repr__(self) -> str:  # never print credentials embedded in a URL
         redis = self.redis_url.split("@")[-1]
@@ -88,10 +94,14 @@ def _time_out(waiter: asyncio.Future[Any]) -> None:
 
 class Client:
     def __init__(self, bootstrap: str, redis_url: str, **options: Any) -> None:
+        if "signer" not in options:
+            options["signer"] = signer_from_env()
+        if "tenant" not in options and options["signer"] is not None:
+            options["tenant"] = options["signer"].default_tenant or "default"
         self.settings = ClientSettings(bootstrap=bootstrap, redis_url=redis_url, **options)
         self.client_id = uuid.uuid4().hex[:16]
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap,
+            **kafka_options(bootstrap),
             acks="all",  # an acknowledged request is on every in-sync replica
             enable_idempotence=True,
             linger_ms=self.settings.linger_ms,
@@ -100,7 +110,8 @@ class Client:
         )
         self._redis = aioredis.Redis.from_url(redis_url)
         self._replies = ReplyMux(
-            self._redis, redis_reply_channel(self.client_id), self.settings.reply_topic, bootstrap,
+            self._redis, redis_reply_channel(self.settings.tenant, self.client_id), self.settings.reply_topic,
+            bootstrap,
             prefer_kafka=self.settings.reply_via == "kafka",
         )
         self._known_topics: set[str] = set()
@@ -162,6 +173,16 @@ class Client:
         return self._replies.duplicates
 
     @property
+    def reply_channel(self) -> str:
+        """The Redis channel this client's replies arrive on (``kinfer:reply:<tenant>:<client-id>``)."""
+        return self._replies.channel
+
+    @property
+    def forged_replies(self) -> int:
+        """Replies to this client's requests not sealed with its key: forged, dropped."""
+        return self._replies.forged
+
+    @property
     def redis_healthy(self) -> bool:
         """False while replies come over the Kafka reply topic because Redis is unreachable."""
         return self._replies.redis_healthy
@@ -199,7 +220,7 @@ class Client:
         tenant: str | None = None,
     ) -> Result:
         """Run ``inputs`` through ``model``; ``deadline_ms`` is relative to now."""
-        request, data, topic = await self._prepare(
+        request, data, topic, headers = await self._prepare(
             model, inputs, priority, deadline_ms, params, request_id, False, tenant
         )
         self._admit(request)
@@ -207,7 +228,7 @@ class Client:
         loop = asyncio.get_running_loop()
         timer = loop.call_at(loop.time() + max(0.0, self._remaining_s(request)), _time_out, waiter)
         try:
-            await self._publish(topic, data, request)
+            await self._publish(topic, data, request, headers)
             try:
                 result = await waiter
             except TimeoutError as exc:
@@ -268,13 +289,13 @@ class Client:
         that happen at once rather than when the generator is collected.
         A stream that ends badly (deadline, refusal) raises the matching ``KinferError``.
         """
-        request, data, topic = await self._prepare(
+        request, data, topic, headers = await self._prepare(
             model, [prompt], priority, deadline_ms, params, request_id, True, tenant
         )
         self._admit(request)
         buffer = self._replies.open_stream(request.id)
         try:
-            await self._publish(topic, data, request)
+            await self._publish(topic, data, request, headers)
             while True:
                 try:
                     chunk = await buffer.next(self._remaining_s(request))
@@ -295,7 +316,7 @@ class Client:
     async def _prepare(
         self, model: str, inputs: str | Sequence[str], priority: Priority | int, deadline_ms: int | None,
         params: dict[str, Any] | None, request_id: str | None, stream: bool, tenant: str | None = None,
-    ) -> tuple[Request, bytes, str]:
+    ) -> tuple[Request, bytes, str, list[tuple[str, bytes]] | None]:
         created = now_ms()
         request = Request(
             id=request_id or new_request_id(),
@@ -309,12 +330,19 @@ class Client:
             params=params or {},
             stream=stream,
             batch_reply=True,  # our reply readers take several results in one message
+            reply_key=self._replies.key,  # replies come sealed with it: a forged one is dropped
         )
         data = pack(request)
         decode_request(data, self.settings.limits)  # the worker's own check: fail here, not there
         topic = request_topic(model, request.priority)
+        headers = None
+        if self.settings.signer is not None:
+            try:
+                headers = self.settings.signer.headers(request.tenant, data)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), "tenant") from exc
         await self._check_topic(topic, request)
-        return request, data, topic
+        return request, data, topic, headers
 
     def _throttle(self, model: str) -> AdaptiveThrottle:
         return self._throttles.setdefault(model, AdaptiveThrottle())
@@ -344,7 +372,8 @@ class Client:
         admitted.inc()
         sent.record(now)
 
-    async def _publish(self, topic: str, data: bytes, request: Request) -> None:
+    async def _publish(self, topic: str, data: bytes, request: Request,
+                       headers: list[tuple[str, bytes]] | None) -> None:
         """Hand the request to the broker, by its deadline whatever the broker does.
 
         A broker that is down or slow makes the call fail at the deadline (``DeadlineExceeded``, not
@@ -354,7 +383,7 @@ class Client:
         """
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):
-                await (await self._producer.send(topic, data))
+                await (await self._producer.send(topic, data, headers=headers))
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"{request.model}/{request.id}: the broker did not take the request by its deadline",
@@ -368,7 +397,8 @@ class Client:
 
     async def _cancel(self, model: str, request_id: str) -> None:
         with contextlib.suppress(RedisError, OSError):
-            await self._redis.publish(CANCEL_CHANNEL, msgpack.packb({"id": request_id, "model": model}))
+            mac = cancel_mac(self._replies.key, request_id)  # only the sender of a request may cancel it
+            await self._redis.publish(CANCEL_CHANNEL, msgpack.packb({"id": request_id, "model": model, "mac": mac}))
 
     async def models(self) -> list[str]:
         """Models with request topics on the broker (what a worker could serve)."""

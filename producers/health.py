@@ -18,6 +18,9 @@ from topics.health import HEALTH_CHANNEL, HealthState
 log = logging.getLogger(__name__)
 
 STALE_MS = 10_000  # a state older than this is no signal at all (the monitor may be down)
+# A state dated later than now + this is not believed: clocks differ by less, and a forged state
+# dated an hour ahead would otherwise outlive the staleness rule.
+MAX_SKEW_MS = 2_000
 
 
 class HealthWatch:
@@ -35,7 +38,7 @@ class HealthWatch:
 
     def get(self, model: str) -> HealthState | None:
         state = self._states.get(model)
-        if state is None or now_ms() - state.updated_ms > STALE_MS:
+        if state is None or not -MAX_SKEW_MS <= now_ms() - state.updated_ms <= STALE_MS:
             return None
         return state
 
@@ -52,6 +55,9 @@ class HealthWatch:
                         continue
                     with contextlib.suppress(MalformedRecord):
                         state = HealthState.unpack(msg["data"])
+                        if state.updated_ms > now_ms() + MAX_SKEW_MS:
+                            metrics.IGNORED_HEALTH.labels("future").inc()
+                            continue
                         previous = self._states.get(state.model)
                         if previous is None or previous.level != state.level:
                             metrics.LEVEL_CHANGES_SEEN.labels(state.model, state.level.name.lower()).inc()

@@ -14,9 +14,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
+from producers import metrics
 from producers.streams import StreamBuffer
 from topics import Chunk, KinferError, MalformedRecord, Reply, ReplyRoute, Result, Unavailable, decode_replies
+from topics.auth import new_reply_key
 from topics.backoff import Backoff
+from topics.connect import kafka_options
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class ReplyMux:
         self.late = 0
         self.unknown = 0  # replies for ids this client never sent (misrouted, or forged)
         self.malformed = 0  # replies that did not decode (dropped)
+        self.forged = 0  # replies for our requests not sealed with our key (dropped)
+        self.key = new_reply_key()  # our requests carry it; workers seal our replies with it
         self.redis_healthy = False
         self.received = {"redis": 0, "kafka": 0}  # replies read from each source
         self._bootstrap = bootstrap
@@ -98,7 +103,7 @@ class ReplyMux:
         self._spawn(self._read_redis(), "redis")
 
     async def _start_kafka(self, topic: str, partitions: set[int], bootstrap: str) -> None:
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(**kafka_options(bootstrap), enable_auto_commit=False)
         try:
             await consumer.start()
             consumer.assign([TopicPartition(topic, p) for p in partitions])
@@ -206,10 +211,19 @@ class ReplyMux:
 
     def _receive(self, data: bytes, source: str) -> None:
         try:
-            replies = decode_replies(data)
+            replies, authentic = decode_replies(data, self.key)
         except MalformedRecord as exc:
             self.malformed += 1
             log.warning("dropping an unreadable reply: %s", exc)
+            return
+        if not authentic:  # not sealed with our key: another client's (a shared topic), or forged
+            for reply in replies:
+                if reply.id in self._waiters or reply.id in self._streams:
+                    self.forged += 1
+                    metrics.FORGED_REPLIES.inc()
+                    log.warning("dropping a reply to %s not sealed with this client's key (forged?)", reply.id)
+                else:
+                    self.unknown += 1
             return
         for reply in replies:
             if reply.id in self._waiters or reply.id in self._streams:

@@ -14,6 +14,7 @@ from topics.envelope import (
     Request,
     Result,
     RouteKind,
+    Sealed,
     Status,
     Timings,
     Usage,
@@ -24,6 +25,7 @@ from topics.envelope import (
     new_request_id,
     now_ms,
     pack,
+    seal,
 )
 from topics.errors import (
     DeadlineExceeded,
@@ -56,6 +58,7 @@ __all__ = [
     "Request",
     "Result",
     "RouteKind",
+    "Sealed",
     "Shed",
     "Status",
     "Timings",
@@ -69,4 +72,5 @@ __all__ = [
     "new_request_id",
     "now_ms",
     "pack",
+    "seal",
 ]

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgpack
 import msgspec
 
+from topics.auth import reply_authentic, reply_mac
 from topics.errors import DeadlineExceeded, InvalidRequest, KinferError, MalformedRecord, ModelError, Shed
 from topics.names import MODEL_PATTERN, ROUTE_PATTERN, Priority
 
@@ -33,6 +34,7 @@ ModelName = Annotated[str, msgspec.Meta(pattern=MODEL_PATTERN)]
 RouteName = Annotated[str, msgspec.Meta(pattern=ROUTE_PATTERN)]
 Version = Literal[1]  # a reader of version 1 refuses any other (a missing ``v`` reads as 1)
 Scalar = str | int | float | bool | None
+ReplyKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,9 @@ class Request(msgspec.Struct, frozen=True, tag="req", tag_field="t"):
     # reply channel in one message. Off by default, so a reader that predates batches never sees one.
     batch_reply: bool = False
     v: Version = ENVELOPE_VERSION
+    # A key the client chose (random, per client): the worker seals every reply with it
+    # (``t = "sealed"``), so the client can tell a worker's reply from a forged one. Absent: no seal.
+    reply_key: ReplyKey | None = None
 
 
 class Timings(msgspec.Struct, frozen=True):
@@ -210,8 +215,17 @@ class ReplyBatch(msgspec.Struct, frozen=True, tag="batch", tag_field="t"):
     v: Version = ENVELOPE_VERSION
 
 
+class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="t"):
+    """A reply message (result, chunk or batch) packed as ``body``, with ``mac`` = HMAC-SHA256 of the
+    body under the request's ``reply_key`` (sent only to requests that carry one)."""
+
+    mac: bytes
+    body: bytes
+    v: Version = ENVELOPE_VERSION
+
+
 Reply = Result | Chunk
-Message = Request | Result | Chunk | ReplyBatch
+Message = Request | Result | Chunk | ReplyBatch | Sealed
 
 
 def now_ms() -> int:
@@ -309,13 +323,15 @@ def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
 class _Salvage(msgspec.Struct):
     id: RequestId
     reply: ReplyRoute
+    reply_key: ReplyKey | None = None
 
 
 _salvage = msgspec.msgpack.Decoder(_Salvage)
 
 
-def salvage_route(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, ReplyRoute] | None:
-    """Id and reply route of an invalid request, when both can still be read; never raises.
+def salvage_route(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, ReplyRoute, bytes | None] | None:
+    """Id, reply route and reply key of an invalid request, when the first two can still be read;
+    never raises.
 
     Lets a worker tell the caller *why* its request was refused instead of leaving it to time out.
     """
@@ -325,38 +341,55 @@ def salvage_route(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, Re
         found = _salvage.decode(data)
     except msgspec.MsgspecError:
         return None
-    return found.id, found.reply
+    return found.id, found.reply, found.reply_key
 
 
 # Results come from our own workers, but a client still bounds what it decodes.
 MAX_REPLY_BYTES = 64 * 1_048_576
 
-_replies = msgspec.msgpack.Decoder(Result | Chunk | ReplyBatch)
+_replies = msgspec.msgpack.Decoder(Result | Chunk | ReplyBatch | Sealed)
+_unsealed = msgspec.msgpack.Decoder(Result | Chunk | ReplyBatch)
 
 
-def decode_replies(data: bytes) -> list[Reply]:
-    """One reply message → its replies (one, or several for a ``batch``).
+def seal(message: Result | Chunk | ReplyBatch, reply_key: bytes) -> bytes:
+    """The message packed and sealed with the request's reply key."""
+    body = pack(message)
+    return _encoder.encode(Sealed(reply_mac(reply_key, body), body))
 
-    Raises ``MalformedRecord`` for anything else: a reply is not a request, and a bad one is our
+
+def decode_replies(data: bytes, reply_key: bytes | None = None) -> tuple[list[Reply], bool]:
+    """One reply message → (its replies, whether they are authentic).
+
+    With ``reply_key``, only a ``sealed`` message whose MAC checks under it is authentic; anything
+    else — unsealed, or sealed under another key — is returned with ``False``, so the caller can
+    tell a forgery aimed at its own requests from another client's reply on a shared topic. Without a
+    key every well-formed message counts as authentic (the caller asked for no seal).
+    Raises ``MalformedRecord`` for anything unreadable: a reply is not a request, and a bad one is our
     (or a forger's) problem, not the caller's.
     """
     try:
         message = _decode(_replies, data, MAX_REPLY_BYTES)
+        authentic = reply_key is None
+        if isinstance(message, Sealed):
+            authentic = reply_key is not None and reply_authentic(reply_key, message.body, message.mac)
+            message = _decode(_unsealed, message.body, MAX_REPLY_BYTES)
     except InvalidRequest as exc:
         raise MalformedRecord(f"malformed reply: {exc}", "reply") from exc
-    return message.replies if isinstance(message, ReplyBatch) else [message]
+    return (message.replies if isinstance(message, ReplyBatch) else [message]), authentic
 
 
-def decode_reply(data: bytes) -> Reply:
-    """Exactly one result or stream chunk."""
-    replies = decode_replies(data)
+def decode_reply(data: bytes, reply_key: bytes | None = None) -> Reply:
+    """Exactly one authentic result or stream chunk."""
+    replies, authentic = decode_replies(data, reply_key)
+    if not authentic:
+        raise MalformedRecord("reply not sealed with this client's key", "reply")
     if len(replies) != 1:
         raise MalformedRecord(f"expected one reply, got a batch of {len(replies)}", "reply")
     return replies[0]
 
 
-def decode_result(data: bytes) -> Result:
-    reply = decode_reply(data)
+def decode_result(data: bytes, reply_key: bytes | None = None) -> Result:
+    reply = decode_reply(data, reply_key)
     if not isinstance(reply, Result):
         raise MalformedRecord("expected a result, got a stream chunk", "reply")
     return reply

@@ -3,7 +3,7 @@
     infer.<model>.p0 | p1 | p2     requests, by priority (p0 interactive, p1 standard, p2 batch)
     infer.dlq                      dead letters: records that failed validation, with a reason header
     replies.<name>                 durable reply topics, one per client group
-    kinfer:reply:<client-id>       Redis pub/sub reply channels, one per client instance
+    kinfer:reply:<tenant>:<id>     Redis pub/sub reply channels, one per client instance
     kinfer:cancel                  Redis pub/sub: cancellations of streams (best effort)
 """
 
@@ -81,8 +81,10 @@ def reply_topic(name: str) -> str:
     return f"{REPLY_TOPIC_PREFIX}{name}"
 
 
-def redis_reply_channel(client_id: str) -> str:
-    return f"{REDIS_REPLY_PREFIX}{client_id}"
+def redis_reply_channel(tenant: str, client_id: str) -> str:
+    """``kinfer:reply:<tenant>:<client-id>``: a tenant's channels share a prefix, so a Redis ACL can
+    let each tenant subscribe to its own channels and no one else's."""
+    return f"{REDIS_REPLY_PREFIX}{tenant}:{client_id}"
 
 
 def valid_route_name(name: str) -> bool:

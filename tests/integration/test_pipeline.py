@@ -22,7 +22,7 @@ from ops.stack import StackInfo
 from producers import BlockingClient, Client
 from producers.client import MISSING_TOPIC_TTL_S
 from tests.integration.conftest import WorkerProcess
-from topics import DeadlineExceeded, InvalidRequest, KinferError, Priority, Result, UnknownModel, pack
+from topics import DeadlineExceeded, InvalidRequest, KinferError, Priority, Result, UnknownModel, seal
 from topics.admin import ensure_topics, model_topic_specs
 
 pytestmark = pytest.mark.integration
@@ -83,9 +83,10 @@ async def test_a_second_copy_of_a_reply_never_reaches_the_caller(
     spawn_worker(topics, "--family", "noop")
     await wait_until_served(client, topics)
     result = await client.infer(topics, ["once"], deadline_ms=10_000)
-    # What a worker does after a redelivery: publish the same result again on the same route.
+    # What a worker does after a redelivery: publish the same result again on the same route, sealed
+    # with the key the request carried.
     async with aioredis.Redis.from_url(stack.redis_url) as r:
-        assert await r.publish(f"kinfer:reply:{client.client_id}", pack(result)) == 1
+        assert await r.publish(client.reply_channel, seal(result, client._replies.key)) == 1
     for _ in range(100):
         if client.duplicate_replies:
             break

@@ -129,7 +129,7 @@ def test_garbage_is_invalid_not_a_crash(data: bytes) -> None:
 
 def test_salvage_route_of_an_invalid_request() -> None:
     data = wire(inputs=[])
-    assert salvage_route(data) == ("req-1", ReplyRoute.channel("kinfer:reply:abc"))
+    assert salvage_route(data) == ("req-1", ReplyRoute.channel("kinfer:reply:abc"), None)
     assert salvage_route(b"garbage") is None
     assert salvage_route(wire(reply=KeyError)) is None
 

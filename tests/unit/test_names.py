@@ -18,7 +18,7 @@ def test_request_topics_are_per_model_and_priority() -> None:
     assert request_topics("m-1") == ["infer.m-1.p0", "infer.m-1.p1", "infer.m-1.p2"]
     assert parse_request_topic("infer.m-1.p2") == ("m-1", Priority.P2)
     assert consumer_group("minilm") == "kinfer.worker.minilm"
-    assert redis_reply_channel("abc") == "kinfer:reply:abc"
+    assert redis_reply_channel("search", "abc") == "kinfer:reply:search:abc"
 
 
 @pytest.mark.parametrize("name", ["", "Upper", "dot.ted", "x" * 64, "-lead", "sp ace"])

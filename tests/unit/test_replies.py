@@ -10,7 +10,7 @@ from aiokafka.errors import KafkaConnectionError
 
 from consumers.replies import Delivery, ReplySink, ReplyTopics
 from producers.replies import ReplyMux
-from topics import Chunk, ReplyBatch, ReplyRoute, Result, Status, Unavailable, Usage, pack
+from topics import Chunk, ReplyBatch, ReplyRoute, Result, Status, Unavailable, Usage, decode_replies, pack, seal
 
 
 def result(rid: str, output: int = 1) -> Result:
@@ -21,14 +21,14 @@ async def test_a_batch_of_replies_reaches_each_caller_exactly_once() -> None:
     mux = ReplyMux(aioredis.Redis(), "kinfer:reply:test")
     waiters = {rid: mux.expect(rid) for rid in ("a", "b", "c")}
     stream = mux.open_stream("s")
-    mux._receive(pack(ReplyBatch([result("a", 1), Chunk("s", "m", 0, text="x"), result("b", 2), result("a", 9)])),
-                 "redis")
+    mux._receive(seal(ReplyBatch([result("a", 1), Chunk("s", "m", 0, text="x"), result("b", 2), result("a", 9)]),
+                      mux.key), "redis")
     assert waiters["a"].result().outputs == [1]  # the first answer wins; the repeat is a duplicate
     assert waiters["b"].result().outputs == [2]
     assert not waiters["c"].done()
     assert mux.duplicates == 1
-    mux._receive(pack(ReplyBatch([result("c", 3), Chunk("s", "m", 1, final=True, status=Status.OK,
-                                                         usage=Usage(2, 2))])), "kafka")
+    mux._receive(seal(ReplyBatch([result("c", 3), Chunk("s", "m", 1, final=True, status=Status.OK,
+                                                         usage=Usage(2, 2))]), mux.key), "kafka")
     assert waiters["c"].result().outputs == [3]
     assert [c.seq for c in (await stream.next(1.0), await stream.next(1.0))] == [0, 1]
     assert mux.received == {"redis": 3, "kafka": 2}
@@ -48,8 +48,20 @@ async def test_malformed_replies_are_counted_and_dropped_and_the_reader_lives_on
     ):
         mux._receive(bad, "redis")
     assert mux.malformed == 5 and not waiter.done()
-    mux._receive(pack(result("r")), "redis")
+    mux._receive(seal(result("r"), mux.key), "redis")
     assert waiter.result().ok
+    mux.forget("r")
+
+
+async def test_a_forged_reply_is_dropped_and_counted_and_the_real_one_delivered() -> None:
+    mux = ReplyMux(aioredis.Redis(), "kinfer:reply:t:test")
+    waiter = mux.expect("r")
+    mux._receive(pack(result("r", 666)), "redis")  # a forger who read the id and the channel: unsealed
+    mux._receive(seal(result("r", 666), b"k" * 16), "redis")  # sealed, but not with our key
+    mux._receive(seal(result("other", 1), b"k" * 16), "kafka")  # another client's reply on a shared topic
+    assert not waiter.done() and mux.forged == 2 and mux.unknown == 1
+    mux._receive(seal(result("r", 1), mux.key), "redis")
+    assert waiter.result().outputs == [1]
     mux.forget("r")
 
 
@@ -117,3 +129,45 @@ async def test_a_reader_that_dies_fails_the_waiters_and_readiness_says_so() -> N
     mux._spawn(broken(), "test")
     await asyncio.sleep(0.01)
     assert not mux.reading and isinstance(waiter.exception(), Unavailable)
+
+
+class _Pipe:
+    def __init__(self, sent: list[tuple[str, bytes]]) -> None:
+        self.sent = sent
+
+    async def __aenter__(self) -> _Pipe:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def publish(self, channel: str, data: bytes) -> None:
+        self.sent.append((channel, data))
+
+    async def execute(self) -> list[int]:
+        return [1] * len(self.sent)
+
+
+class _Redis:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    def pipeline(self, transaction: bool) -> _Pipe:
+        return _Pipe(self.sent)
+
+
+async def test_replies_are_sealed_with_each_request_key_and_batched_only_under_one_key() -> None:
+    redis = _Redis()
+    sink = ReplySink(_Producer(), redis, ReplyTopics(_Metadata(set())))  # type: ignore[arg-type]
+    a, b = b"a" * 16, b"b" * 16
+    route = ReplyRoute.channel("kinfer:reply:t:c")
+    await sink.publish([Delivery(route, result("1"), True, a), Delivery(route, result("2"), True, b),
+                        Delivery(route, result("3"), True, a), Delivery(route, result("4"), False, None)])
+    opened = []
+    for _, data in redis.sent:
+        for key in (a, b, None):
+            replies, authentic = decode_replies(data, key)
+            if authentic:
+                opened.append((key, [r.id for r in replies]))
+                break
+    assert sorted(opened, key=str) == sorted([(a, ["1", "3"]), (b, ["2"]), (None, ["4"])], key=str)

@@ -1,0 +1,273 @@
+"""Proof of who sent a record: tenant signatures on requests, seals on replies, MACs on cancels.
+
+Everything here is HMAC-SHA256 (the stdlib's C implementation, ~1 us a record) and pure: keys are
+bytes passed in, nothing is read from the environment except by the ``from_env`` constructors.
+
+**Requests** are signed by their tenant. A deployment holds one or more *signing secrets* (the
+first is current, the others are being retired); each tenant's key is derived from a secret and the
+tenant's name and key version, so the secrets stay with the gateway and the workers while a team
+gets only its own key. A request record carries two Kafka headers: ``kinfer-kid`` (which secret)
+and ``kinfer-sig`` = HMAC(tenant key, the record's value, exactly as sent). A worker that holds the
+secrets recomputes it: a record from someone without the tenant's key, or one edited on its way, is
+refused as ``invalid`` and dead-lettered.
+
+**Replies** are sealed with a key the client chose (``reply_key`` in its request, random per
+client process): ``{"t": "sealed", "mac": HMAC(reply_key, body), "body": <packed reply>}``. Only
+principals that may read the request topics see the key (the workers), so a reply that opens with
+it came from one of them; anything else on the client's channel is dropped and counted.
+
+**Cancels** for a request that had a reply key carry ``mac`` = HMAC(reply_key, "cancel" NUL id):
+only the client that sent the request can stop it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SIG_HEADER = "kinfer-sig"
+KID_HEADER = "kinfer-kid"
+REPLY_KEY_BYTES = 16  # what a client draws; requests may carry 16..64 bytes
+Headers = Sequence[tuple[str, bytes]]
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hmac.digest(key, data, "sha256")
+
+
+def key_id(secret: bytes) -> str:
+    """The public name of a signing secret (8 hex characters), carried in ``kinfer-kid``."""
+    return hashlib.sha256(b"kinfer-kid\0" + secret).hexdigest()[:8]
+
+
+def tenant_key(secret: bytes, tenant: str, version: int = 1) -> bytes:
+    """Tenant ``tenant``'s signing key under ``secret`` (bumping ``version`` revokes the old key)."""
+    return _mac(secret, b"kinfer-tenant\0" + tenant.encode() + b"\0" + str(version).encode())
+
+
+def parse_secrets(text: str) -> list[bytes]:
+    """``KINFER_SIGNING_SECRET``: one or more hex secrets, comma-separated, the current one first."""
+    secrets = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            secret = bytes.fromhex(part)
+        except ValueError as exc:
+            raise ValueError("KINFER_SIGNING_SECRET must be hex (comma-separated for rotation)") from exc
+        if len(secret) < 16:
+            raise ValueError("a signing secret must be at least 16 bytes (32 hex characters)")
+        secrets.append(secret)
+    return secrets
+
+
+def new_secret() -> str:
+    return os.urandom(32).hex()
+
+
+# ---------------------------------------------------------------------------------------------
+# Signing requests
+
+
+@dataclass(frozen=True, slots=True)
+class TenantCredential:
+    """One tenant's key, as handed to a team: ``<kid>.<hex key>`` (``KINFER_TENANT_KEY``)."""
+
+    tenant: str
+    kid: str
+    key: bytes
+
+    @classmethod
+    def parse(cls, tenant: str, text: str) -> TenantCredential:
+        kid, _, hexkey = text.strip().partition(".")
+        try:
+            key = bytes.fromhex(hexkey)
+        except ValueError:
+            key = b""
+        if len(kid) != 8 or len(key) != 32:
+            raise ValueError("a tenant key reads '<8-character key id>.<64 hex characters>' "
+                             "(kinfer tenant-key prints one)")
+        return cls(tenant, kid, key)
+
+    @classmethod
+    def derive(cls, secret: bytes, tenant: str, version: int = 1) -> TenantCredential:
+        return cls(tenant, key_id(secret), tenant_key(secret, tenant, version))
+
+    def __str__(self) -> str:
+        return f"{self.kid}.{self.key.hex()}"
+
+    def __repr__(self) -> str:  # never print a key
+        return f"TenantCredential({self.tenant!r}, kid={self.kid!r})"
+
+
+class Signer:
+    """Signs request records: with one tenant's credential (a team's client), or with the current
+    signing secret for whichever tenant the record names (the gateway, which speaks for many)."""
+
+    def __init__(self, credential: TenantCredential | None = None, secret: bytes | None = None,
+                 versions: Mapping[str, int] | None = None) -> None:
+        if (credential is None) == (secret is None):
+            raise ValueError("a Signer needs a tenant credential or a signing secret, not both")
+        self._credential = credential
+        self._secret = secret
+        self._versions = versions or {}
+        self._derived: dict[str, TenantCredential] = {}
+
+    @property
+    def default_tenant(self) -> str | None:
+        """The tenant a team's credential belongs to (None for a gateway's secret)."""
+        return None if self._credential is None else self._credential.tenant
+
+    def credential(self, tenant: str) -> TenantCredential:
+        if self._credential is not None:
+            if tenant != self._credential.tenant:
+                raise ValueError(f"this client holds the key of tenant {self._credential.tenant!r}, not {tenant!r}")
+            return self._credential
+        found = self._derived.get(tenant)
+        if found is None:
+            assert self._secret is not None
+            found = TenantCredential.derive(self._secret, tenant, self._versions.get(tenant, 1))
+            if len(self._derived) < 10_000:
+                self._derived[tenant] = found
+        return found
+
+    def headers(self, tenant: str, value: bytes) -> list[tuple[str, bytes]]:
+        cred = self.credential(tenant)
+        return [(KID_HEADER, cred.kid.encode()), (SIG_HEADER, _mac(cred.key, value))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Verifying requests (the worker)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRule:
+    """What the worker enforces for one tenant: its best priority and its key version."""
+
+    max_priority: int = 0  # 0 = may use p0
+    key_version: int = 1
+
+
+def load_tenant_rules(path: str) -> dict[str, TenantRule]:
+    """The rules a worker enforces, from the tenants file the gateway reads (the same JSON:
+    ``{"tenants": [{"name": ..., "max_priority": 1, "key_version": 1, ...}]}``; other keys ignored).
+    Raises ``ValueError`` naming the file and what is wrong with it."""
+    try:
+        entries = json.loads(Path(path).read_text())["tenants"]
+        rules = {}
+        for entry in entries:
+            best = entry.get("max_priority", 0)
+            best = int(best[1:]) if isinstance(best, str) and best[:1] in "pP" else int(best)
+            if not 0 <= best <= 2:
+                raise ValueError(f"max_priority of {entry['name']!r} must be 0, 1 or 2")
+            rules[str(entry["name"])] = TenantRule(best, int(entry.get("key_version", 1)))
+        return rules
+    except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a tenants file ({type(exc).__name__}: {exc})") from exc
+
+
+class Refused(Exception):
+    """A request that fails its signature or its tenant's rules; ``field`` names what is wrong."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class Verifier:
+    """Checks a request record's signature and its tenant's rules.
+
+    ``secrets``: every accepted signing secret. ``tenants``: the registry (None: any tenant whose
+    signature is valid, any priority). The priority a request claims must be the topic's own.
+    """
+
+    secrets: Sequence[bytes]
+    tenants: Mapping[str, TenantRule] | None = None
+    _keys: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    _by_kid: dict[str, bytes] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.secrets:
+            raise ValueError("a Verifier needs at least one signing secret")
+        self._by_kid = {key_id(s): s for s in self.secrets}
+
+    def check(self, value: bytes, headers: Headers, tenant: str, priority: int, topic_priority: int) -> None:
+        """Raises ``Refused`` unless the record is signed by ``tenant`` and within its rules."""
+        kid = sig = None
+        for name, data in headers:
+            if name == SIG_HEADER:
+                sig = data
+            elif name == KID_HEADER:
+                kid = data
+        if sig is None or kid is None:
+            raise Refused("unsigned request: this deployment needs the kinfer-kid and kinfer-sig headers", "signature")
+        rule = TenantRule()
+        if self.tenants is not None:
+            found = self.tenants.get(tenant)
+            if found is None:
+                raise Refused(f"unknown tenant {tenant!r}", "tenant")
+            rule = found
+        key = self._key(kid.decode(errors="replace"), tenant, rule.key_version)
+        if key is None:
+            raise Refused("unknown signing key id (rotated out?)", "signature")
+        if not hmac.compare_digest(_mac(key, value), sig):
+            raise Refused(f"bad signature for tenant {tenant!r}", "signature")
+        if priority != topic_priority:
+            raise Refused(f"priority {priority} on a p{topic_priority} topic", "priority")
+        if priority < rule.max_priority:
+            raise Refused(f"tenant {tenant!r} may not use p{priority} (its best is p{rule.max_priority})", "priority")
+
+    def _key(self, kid: str, tenant: str, version: int) -> bytes | None:
+        cached = self._keys.get((kid, tenant))
+        if cached is not None:
+            return cached
+        secret = self._by_kid.get(kid)
+        if secret is None:
+            return None
+        key = tenant_key(secret, tenant, version)
+        if len(self._keys) < 10_000:
+            self._keys[(kid, tenant)] = key
+        return key
+
+
+# ---------------------------------------------------------------------------------------------
+# Sealing replies and cancels
+
+
+def reply_mac(reply_key: bytes, body: bytes) -> bytes:
+    return _mac(reply_key, body)
+
+
+def reply_authentic(reply_key: bytes, body: bytes, mac: bytes) -> bool:
+    return hmac.compare_digest(_mac(reply_key, body), mac)
+
+
+def cancel_mac(reply_key: bytes, request_id: str) -> bytes:
+    return _mac(reply_key, b"cancel\0" + request_id.encode())
+
+
+def new_reply_key() -> bytes:
+    return os.urandom(REPLY_KEY_BYTES)
+
+
+def signer_from_env(env: Mapping[str, str] | None = None) -> Signer | None:
+    """The signer this process is configured with: ``KINFER_SIGNING_SECRET`` (a gateway: signs for
+    any tenant) or ``KINFER_TENANT`` + ``KINFER_TENANT_KEY`` (a team's client); None: unsigned."""
+    env = os.environ if env is None else env
+    secrets = parse_secrets(env.get("KINFER_SIGNING_SECRET", ""))
+    if secrets:
+        return Signer(secret=secrets[0])
+    key = env.get("KINFER_TENANT_KEY")
+    if key:
+        tenant = env.get("KINFER_TENANT")
+        if not tenant:
+            raise ValueError("KINFER_TENANT_KEY needs KINFER_TENANT (the tenant the key belongs to)")
+        return Signer(credential=TenantCredential.parse(tenant, key))
+    return None
