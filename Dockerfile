@@ -19,6 +19,8 @@ COPY producers producers
 COPY consumers consumers
 COPY batcher batcher
 COPY ops ops
+# The gateway's tenants file: the example's placeholder key admits nobody; mount your own over it.
+COPY ops/tenants.example.json /etc/kinfer/tenants.json
 RUN pip install --no-deps . \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin kinfer
 
@@ -26,4 +28,4 @@ RUN pip install --no-deps . \
 USER kinfer
 # 8000: the gateway; 9100-9102: Prometheus metrics of the worker, lag monitor and autoscaler.
 EXPOSE 8000 9100 9101 9102
-CMD ["kinfer", "gateway", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["kinfer", "gateway", "--host", "0.0.0.0", "--port", "8000", "--tenants", "/etc/kinfer/tenants.json"]

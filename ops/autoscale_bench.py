@@ -46,6 +46,7 @@ from ops.stack import LocalStack, StackInfo
 from producers import Client
 from topics import DeadlineExceeded, KinferError
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from topics.connect import kafka_options
 from topics.names import request_topics
 
 SLA_MS = 250.0  # per request: the P99 bound
@@ -156,7 +157,7 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
 
 async def _delete_topics(info: StackInfo, models: tuple[str, ...]) -> None:
     """The benchmark's models go with it: nobody serves them any more (a listing must not offer them)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=info.bootstrap)
+    admin = AIOKafkaAdminClient(**kafka_options(info.bootstrap))
     await admin.start()
     try:
         await admin.delete_topics([t for m in models for t in request_topics(m)])

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import typing
@@ -19,7 +20,7 @@ from batcher import BatchPolicy
 from consumers.worker import WorkerSettings
 from ops.scaling import ScalePolicy
 from ops.simulate import SimConfig
-from ops.stack import LocalStack, StackError, fetch_kafka, resolve_endpoints
+from ops.stack import LocalStack, StackError, apply_stack_env, fetch_kafka, resolve_endpoints
 from topics.errors import KinferError
 
 
@@ -41,14 +42,24 @@ def _floats(value: str) -> list[float]:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    stack = LocalStack(Path(args.home) if args.home else None, args.kafka_port, args.redis_port, args.brokers)
+    import shlex
+
+    from ops.stack import apply_acls
+
+    stack = LocalStack(Path(args.home) if args.home else None, args.kafka_port, args.redis_port, args.brokers,
+                       secure=args.secure)
     if args.action == "fetch":
         print(fetch_kafka())
     elif args.action == "up":
         info, started = stack.up()
         what = "started" if started else f"restarted {'+'.join(stack.restarted)} in" if stack.restarted else "reusing"
-        print(f"{what} stack in {info.home}")
+        print(f"{what} {'secure ' if info.secure else ''}stack in {info.home}")
         print(f"KINFER_BOOTSTRAP={info.bootstrap}\nKINFER_REDIS_URL={info.redis_url}")
+        if info.secure:
+            print("Kafka: SASL_SSL (SCRAM-SHA-512) with ACLs; Redis: ACL users. Principals: "
+                  f"{', '.join(info.secrets().principals)}\n"
+                  "each one's environment: kinfer stack env --principal P (secrets in "
+                  f"{info.secure_files.root}); kinfer components take their own by themselves")
     elif args.action == "down":
         print("stopped" if stack.down() else "nothing was running")
     elif args.action == "status":
@@ -59,8 +70,13 @@ def cmd_stack(args: argparse.Namespace) -> int:
         recorded = stack.load()
         if recorded is None:
             raise StackError("no stack: run `kinfer stack up`")
-        for key, value in recorded.env().items():
-            print(f"export {key}={value}")
+        for key, value in recorded.env(args.principal).items():
+            print(f"export {key}={shlex.quote(value)}")
+    elif args.action == "acls":
+        recorded = stack.load()
+        if recorded is None or not recorded.secure:
+            raise StackError("no secure stack: run `kinfer stack up --secure`")
+        print(f"{asyncio.run(apply_acls(recorded))} ACLs applied (tenants: on every model's topics now listed)")
     return 0
 
 
@@ -74,6 +90,9 @@ def cmd_topics(args: argparse.Namespace) -> int:
         specs += model_topic_specs(model, args.partitions, **copies)
     for name, count in sorted(asyncio.run(ensure_topics(bootstrap, specs)).items()):
         print(f"{name}\t{count} partitions")
+    from ops.stack import tenant_acls_after_topics
+
+    tenant_acls_after_topics(bootstrap, args.model)  # a secure local stack: its tenants' ACLs on the new topics
     return 0
 
 
@@ -103,6 +122,8 @@ WORKER_FLAGS = {
     "drain_timeout_s": "on SIGTERM, finish buffered work for at most this long",
     "metrics_port": "serve Prometheus metrics on this port",
     "metrics_host": "address the metrics endpoint binds (0.0.0.0 in a container)",
+    "tenants": "tenants file (the gateway's): refuse requests of unlisted tenants or above their priority "
+               "ceiling (needs KINFER_SIGNING_SECRET, with which every request must be signed)",
 }
 
 
@@ -177,6 +198,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tenant_key(args: argparse.Namespace) -> int:
+    from topics.auth import TenantCredential, parse_secrets
+    from topics.envelope import TENANT_PATTERN
+
+    secrets = parse_secrets(os.environ.get("KINFER_SIGNING_SECRET", ""))
+    if not secrets:
+        raise ValueError("KINFER_SIGNING_SECRET is not set (the deployment's signing secret, hex; "
+                         "`kinfer stack env --principal kinfer-gateway` shows a secure local stack's)")
+    if not re.match(TENANT_PATTERN, args.tenant):
+        raise ValueError(f"--tenant must match {TENANT_PATTERN}")
+    print(TenantCredential.derive(secrets[0], args.tenant, args.key_version))
+    return 0
+
+
 def cmd_infer(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -195,11 +230,15 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from producers.tenants import Tenants, hash_key
+    from producers.tenants import Tenants, hash_key, is_loopback
 
     if args.hash_key:
         print(hash_key(args.hash_key))
         return 0
+    if not args.tenants and not args.allow_anonymous and not is_loopback(args.host):
+        raise ValueError(f"--host {args.host} can be reached from other machines: pass --tenants FILE (hashed "
+                         "API keys: see ops/tenants.example.json and --hash-key), or --allow-anonymous to serve "
+                         "every caller")
     import uvicorn
 
     from producers.gateway import GatewaySettings, create_app
@@ -208,7 +247,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     bootstrap, redis_url = resolve_endpoints()
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
     if tenants is None:
-        logging.getLogger(__name__).warning("no --tenants file: the gateway accepts every caller")
+        logging.getLogger(__name__).warning("no --tenants file: the gateway accepts every caller%s",
+                                            "" if is_loopback(args.host) else f" on {args.host} (--allow-anonymous)")
     asyncio.run(_reachable(bootstrap, redis_url))  # a dead broker or Redis: one line now, not a traceback later
     app = create_app(GatewaySettings(bootstrap, redis_url, tenants))
     loop = os.environ.get("KINFER_GATEWAY_LOOP", "asyncio")
@@ -255,7 +295,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 async def _reachable(bootstrap: str, redis_url: str) -> None:
     from producers import Client
 
-    async with Client(bootstrap, redis_url, admission=False):
+    async with Client(bootstrap, redis_url, admission=False, tenant="gateway"):
         pass
 
 
@@ -457,11 +497,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("stack", help="the local Kafka + Redis stack")
-    s.add_argument("action", choices=["up", "down", "status", "env", "fetch"])
+    s.add_argument("action", choices=["up", "down", "status", "env", "fetch", "acls"],
+                   help="acls: apply the secure stack's ACL table again (after new models' topics)")
     s.add_argument("--home", help="stack folder (default: $KINFER_HOME or .kinfer/)")
     s.add_argument("--kafka-port", type=int, help="default: a free port")
     s.add_argument("--redis-port", type=int, help="default: a free port")
     s.add_argument("--brokers", type=int, default=1, help="KRaft nodes in the local cluster (one machine) [1]")
+    s.add_argument("--secure", action=argparse.BooleanOptionalAction, default=None,
+                   help="up: Kafka over SASL_SSL (SCRAM-SHA-512) with ACLs, Redis with ACL users "
+                        "(default: as the stack in --home was; a new one is not secure)")
+    s.add_argument("--principal", default="admin",
+                   help="env: whose credentials, on a secure stack (admin, kinfer-worker, ..., tenant-demo) [admin]")
     s.set_defaults(func=cmd_stack)
 
     t = sub.add_parser("topics", help="create or grow the request topics of models, and the DLQ")
@@ -500,7 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gateway", help="the HTTP / SSE / WebSocket gateway (OpenAI-compatible endpoints too)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--tenants", help="JSON file of tenants with hashed API keys (see producers/tenants.py)")
+    g.add_argument("--tenants", help="JSON file of tenants with hashed API keys (see ops/tenants.example.json); "
+                                     "required on a --host other than loopback")
+    g.add_argument("--allow-anonymous", action="store_true",
+                   help="serve every caller, unauthenticated and unlimited, on a non-loopback --host without --tenants")
     g.add_argument("--hash-key", metavar="KEY", help="print the SHA-256 of an API key for the tenants file, and exit")
     g.add_argument("--header-timeout-s", type=float, default=10.0,
                    help="close a connection that has not sent a request's headers within this [10]")
@@ -508,6 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-connections", type=int, default=4096,
                    help="connections served at once; more are answered 503 [4096]")
     g.set_defaults(func=cmd_gateway)
+
+    tk = sub.add_parser("tenant-key", help="print a tenant's request-signing key (from KINFER_SIGNING_SECRET), "
+                                           "for its KINFER_TENANT_KEY")
+    tk.add_argument("--tenant", required=True, help="the tenant's name, as in the tenants file")
+    tk.add_argument("--key-version", type=int, default=1,
+                    help="the tenant's key_version in the tenants file [%(default)s]")
+    tk.set_defaults(func=cmd_tenant_key)
 
     pl = sub.add_parser("plan", help="capacity math: FLOPs, bytes, roofline bounds, VRAM and GPUs for a rate")
     pl.add_argument("--params", type=float, required=True, help="parameters, e.g. 7e9")
@@ -666,6 +722,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Whose credentials a component takes from a secure local stack (ops.stack.apply_stack_env); other
+# commands that connect (topics, status, ...) act as admin (resolve_endpoints).
+COMPONENT_PRINCIPALS = {
+    "worker": "kinfer-worker", "lagmon": "kinfer-lagmon", "telemetry": "kinfer-telemetry",
+    "autoscale": "kinfer-autoscaler", "gateway": "kinfer-gateway", "infer": "admin", "bench": "admin",
+    "demo": "admin",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -675,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("aiokafka").setLevel(logging.WARNING if not args.verbose else logging.DEBUG)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local folders only
     try:
+        # A secure local stack: each component connects as its own principal, unless told otherwise.
+        if (principal := COMPONENT_PRINCIPALS.get(args.command)) and not getattr(args, "emit", None):
+            apply_stack_env(principal)
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130

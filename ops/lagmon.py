@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from ops.health import HealthEstimator, HealthPolicy
 from topics import MalformedRecord, now_ms
 from topics.admin import TopicSpec, ensure_topics
+from topics.connect import kafka_options
 from topics.health import (
     DECISIONS_KEPT,
     DECISIONS_KEY,
@@ -80,7 +81,7 @@ class LagMonitor:
 
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_topics(self.bootstrap, [health_topic_spec()])
-        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all")
+        producer = AIOKafkaProducer(**kafka_options(self.bootstrap), acks="all")
         redis = aioredis.Redis.from_url(self.redis_url)
         await producer.start()
         try:
@@ -154,8 +155,8 @@ class LagMonitor:
 @contextlib.asynccontextmanager
 async def offset_clients(bootstrap: str) -> AsyncIterator[tuple[AIOKafkaAdminClient, AIOKafkaConsumer]]:
     """What reading a model's lag takes: an admin client (committed offsets) and a consumer (log ends)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    admin = AIOKafkaAdminClient(**kafka_options(bootstrap))
+    consumer = AIOKafkaConsumer(**kafka_options(bootstrap), enable_auto_commit=False)
     await admin.start()
     try:
         await consumer.start()

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from batcher import Reason
 from topics import MalformedRecord
+from topics.connect import KafkaAuth
 from topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
 
 log = logging.getLogger(__name__)
@@ -62,12 +63,22 @@ def summarize(
     )
 
 
+def _credentials(auth: KafkaAuth) -> Any:
+    """This process's Kafka security settings (topics.connect) in faust's terms."""
+    context = auth.options().get("ssl_context")
+    if auth.sasl:
+        return faust.SASLCredentials(username=auth.user, password=auth.password, ssl_context=context,
+                                     mechanism=auth.mechanism)
+    return faust.SSLCredentials(context) if auth.tls else None
+
+
 def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: float = 1.0,
               app_id: str = "kinfer-telemetry", data_dir: str | None = None) -> faust.App:
     if window_s < 1 or window_s != int(window_s):  # faust's windows step in whole seconds
         raise ValueError(f"window_s must be a whole number of seconds >= 1, got {window_s}")
     app = faust.App(
-        app_id, broker=f"kafka://{bootstrap}", store="memory://", topic_partitions=1, topic_replication_factor=1,
+        app_id, broker=f"kafka://{bootstrap}", broker_credentials=_credentials(KafkaAuth.from_env()),
+        store="memory://", topic_partitions=1, topic_replication_factor=1,
         web_enabled=False, datadir=data_dir or f"/tmp/{app_id}-data", producer_acks=-1,
         # A new processor starts at the end of kinfer.stats (its windows are about now); a restarted
         # one resumes from its committed offsets and changelogs.

@@ -53,7 +53,7 @@ from topics import (
     pack,
 )
 from topics.auth import Signer, cancel_mac, signer_from_env
-from topics.connect import kafka_options
+from topics.connect import KafkaAuth, kafka_options
 from topics.health import HealthState
 from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, parse_request_topic, redis_reply_channel, request_topic
 
@@ -425,13 +425,19 @@ class Client:
             status["redis"] = False
         return status
 
+    @staticmethod
+    def _not_served(topic: str, model: str) -> str:
+        if KafkaAuth.from_env().sasl:  # an ACL hides the topics a principal may not use
+            return f"no topic {topic} visible: model {model!r} is not served, or not at this priority for this tenant"
+        return f"no topic {topic}: model {model!r} is not served"
+
     async def _check_topic(self, topic: str, request: Request) -> None:
         if topic in self._known_topics:  # the hot path: nothing else to do
             return
         model = request.model
         timeout_s = min(5.0, max(0.0, self._remaining_s(request)))  # never past the caller's deadline
         if self._missing_topics.get(topic, 0.0) > time.monotonic():  # asked a moment ago: still unknown
-            raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
+            raise UnknownModel(self._not_served(topic, model), "model")
         try:  # one metadata round trip; the broker never creates request topics by itself
             cluster = await asyncio.wait_for(self._producer.client.fetch_all_metadata(), timeout_s)
         except (KafkaError, TimeoutError) as exc:
@@ -441,6 +447,6 @@ class Client:
             if len(self._missing_topics) >= 1024:  # names from a fuzzer or a typo loop: keep the live ones
                 self._missing_topics = {t: until for t, until in self._missing_topics.items() if until > now}
             self._missing_topics[topic] = now + MISSING_TOPIC_TTL_S
-            raise UnknownModel(f"no topic {topic}: model {model!r} is not served", "model")
+            raise UnknownModel(self._not_served(topic, model), "model")
         self._known_topics.add(topic)
         self._missing_topics.pop(topic, None)

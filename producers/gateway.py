@@ -11,7 +11,8 @@
 
 Every request goes through the same ``Client`` (same validation, same typed errors), under the
 tenant its API key names (``Authorization: Bearer <key>`` or ``X-API-Key``), after that tenant's
-token bucket, at no better than its priority ceiling. Errors map to status codes in one place
+token bucket (in Redis, shared by all gateways: ``producers.ratelimit``), at no better than its
+priority ceiling. Errors map to status codes in one place
 (``_STATUS``): invalid → 400 (422 for a body that does not parse or match its schema, 413 over
 ``MAX_BODY_BYTES``), unknown model → 404, rate limit or overload → 429 / shed → 503 with
 ``Retry-After``, deadline → 504, Kafka/Redis down → 503; every error body is
@@ -28,6 +29,7 @@ import asyncio
 import base64
 import gc
 import logging
+import os
 import struct
 import time
 import uuid
@@ -48,6 +50,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from producers import metrics
 from producers.client import Client
 from producers.http import BadBody, Doc, decode, docs_page, error_body, json_response, openapi, read_body
+from producers.ratelimit import RedisRateLimiter
 from producers.tenants import Tenant, Tenants
 from topics import (
     Chunk,
@@ -62,6 +65,7 @@ from topics import (
     Unavailable,
     UnknownModel,
 )
+from topics.auth import Signer, parse_secrets
 
 log = logging.getLogger(__name__)
 
@@ -235,10 +239,17 @@ class _Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self._client: Client | None = None
+        # Tenants' buckets in Redis, shared by every gateway (their own bucket while Redis does not answer).
+        self.limiter = RedisRateLimiter.from_url(settings.redis_url) if settings.tenants is not None else None
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self._client = Client(self.settings.bootstrap, self.settings.redis_url, tenant="gateway")
+        # With KINFER_SIGNING_SECRET the gateway signs each request for the tenant it authenticated
+        # (workers holding the secret refuse unsigned ones); the tenant's key version from the file.
+        secrets = parse_secrets(os.environ.get("KINFER_SIGNING_SECRET", ""))
+        tenants = self.settings.tenants
+        signer = Signer(secret=secrets[0], versions=tenants.key_versions if tenants else None) if secrets else None
+        self._client = Client(self.settings.bootstrap, self.settings.redis_url, tenant="gateway", signer=signer)
         await self._client.start()
         gc.collect()
         gc.freeze()  # the app's long-lived objects leave the cyclic GC's scans (~37 ms a full collection)
@@ -266,12 +277,11 @@ class _Gateway:
             raise _Unauthorized()
         return found
 
-    @staticmethod
-    def admit(who: Tenant | None, route: str) -> str:
-        """Rate limit; returns the tenant name for metrics and the envelope."""
+    async def admit(self, who: Tenant | None, route: str) -> str:
+        """Rate limit (at most one Redis round trip); returns the tenant name for metrics and the envelope."""
         if who is None:
             return "anonymous"
-        wait = who.bucket.take(time.monotonic())
+        wait = await self.limiter.take(who) if self.limiter is not None else who.bucket.take(time.monotonic())
         if wait > 0:
             REQUESTS.labels(who.name, route, "429").inc()
             raise RateLimited(f"tenant {who.name!r} is over its rate of {who.rate_per_s}/s", retry_after_s=wait)
@@ -326,7 +336,7 @@ class _Gateway:
         who = self.authenticate(request.headers)
         body = decode(await read_body(request), InferBody)
         timeout_ms = self.timeout_header(request)
-        name = self.admit(who, "infer")
+        name = await self.admit(who, "infer")
         started = time.perf_counter()
         result = await self.client.infer(
             request.path_params["model"], body.inputs, priority=self.priority_for(who, body.priority),
@@ -340,7 +350,7 @@ class _Gateway:
         who = self.authenticate(request.headers)
         body = decode(await read_body(request), StreamBody)
         timeout_ms = self.timeout_header(request)
-        name = self.admit(who, "stream")
+        name = await self.admit(who, "stream")
         chunks = self.client.stream(
             request.path_params["model"], body.prompt, priority=self.priority_for(who, body.priority),
             deadline_ms=timeout_ms or body.timeout_ms or DEFAULT_TIMEOUT_MS, params=body.params, tenant=name,
@@ -405,7 +415,7 @@ class _Gateway:
     async def _ws_request(self, model: str, message: WsMessage, who: Tenant | None, send: Any) -> None:
         rid = str(message.id) if message.id is not None else uuid.uuid4().hex
         try:
-            name = self.admit(who, "ws")
+            name = await self.admit(who, "ws")
             deadline = message.timeout_ms or DEFAULT_TIMEOUT_MS
             priority = self.priority_for(who, message.priority)
             if message.stream:
@@ -434,7 +444,7 @@ class _Gateway:
         if body.dimensions is not None:
             raise InvalidRequest("dimensions is not supported: the model's vectors have a fixed size", "dimensions")
         timeout_ms = self.timeout_header(request)
-        name = self.admit(who, "embeddings")
+        name = await self.admit(who, "embeddings")
         inputs = [body.input] if isinstance(body.input, str) else body.input
         started = time.perf_counter()
         result = await self.client.infer(body.model, inputs, deadline_ms=timeout_ms or DEFAULT_TIMEOUT_MS,
@@ -476,7 +486,7 @@ class _Gateway:
             raise InvalidRequest(f"{field} is not supported by this server (use its default)", field)
         timeout_ms = self.timeout_header(request)
         route = "completions" if kind == "text_completion" else "chat"
-        name = self.admit(who, route)
+        name = await self.admit(who, route)
         stops = (stop or []) + ([body.stop] if isinstance(body.stop, str) else (body.stop or []))
         params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": body.temperature,
                                   "top_p": body.top_p, "seed": body.seed}
@@ -560,7 +570,17 @@ def create_app(settings: GatewaySettings) -> Starlette:
     routes: list[Any] = [Route(path, endpoint, methods=[method]) for method, path, endpoint, _ in table]
     routes += [Route("/openapi.json", openapi_json, methods=["GET"]), Route("/docs", docs, methods=["GET"]),
                WebSocketRoute("/v1/models/{model}/ws", gw.websocket)]
-    return Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            async with gw.lifespan(app):
+                yield
+        finally:
+            if gw.limiter is not None:
+                await gw.limiter.close()
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         KinferError: _kinfer_error, BadBody: _bad_body, _Unauthorized: _unauthorized, Exception: _internal,
     })
 

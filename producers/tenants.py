@@ -6,23 +6,51 @@ management without being a secret itself:
     {"tenants": [{"name": "search", "key_sha256": "<hex>", "rate_per_s": 50, "burst": 100,
                   "max_priority": 0}]}
 
-``kinfer gateway --hash-key KEY`` prints the hash of a key. The token bucket is pure (``now`` is
-passed in), so its behaviour is tested without sleeping.
+``kinfer gateway --hash-key KEY`` prints the hash of a key; ``ops/tenants.example.json`` is a
+commented example. A tenant's name is also its rate-limit key: gateways sharing a Redis share one
+bucket per tenant (``producers.ratelimit``), and the pure ``TokenBucket`` here is each gateway's
+fallback while Redis does not answer. The bucket is pure (``now`` is passed in), so its behaviour is
+tested without sleeping.
+
+A gateway reachable from other machines must authenticate: ``kinfer gateway`` refuses a
+non-loopback ``--host`` (``is_loopback``) without ``--tenants`` unless told ``--allow-anonymous``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from topics import Priority
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine alone: 127.0.0.0/8, ::1 or ``localhost``.
+
+    Anything else (0.0.0.0, ::, an interface's address, another host name, "") may be reached from
+    other machines.
+    """
+    name = host.strip().removeprefix("[").removesuffix("]").rstrip(".").lower()
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False  # a name other than localhost may resolve to anything
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1
+    return address.is_loopback
 
 
 @dataclass(slots=True)
@@ -55,9 +83,16 @@ class Tenant:
     rate_per_s: float = 100.0
     burst: float = 200.0
     max_priority: Priority = Priority.P0  # the best priority this tenant may ask for
+    key_version: int = 1  # of its request-signing key (topics.auth): bumping it revokes the old key
     bucket: TokenBucket = field(init=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("a tenant needs a name")
+        if not isinstance(self.key_sha256, str) or not _SHA256_HEX.fullmatch(self.key_sha256):
+            # A key pasted where its hash belongs would lock the tenant out without a word.
+            raise ValueError(f"tenant {self.name!r}: key_sha256 must be 64 lowercase hex characters, the SHA-256 "
+                             "of the key (`kinfer gateway --hash-key KEY` prints it), never the key itself")
         self.max_priority = Priority.parse(self.max_priority)
         self.bucket = TokenBucket(self.rate_per_s, self.burst)
 
@@ -71,7 +106,13 @@ class Tenant:
 
 class Tenants:
     def __init__(self, tenants: list[Tenant]) -> None:
+        names = [t.name for t in tenants]
+        if len(set(names)) != len(names):  # the name keys the shared bucket: two tenants would share one
+            raise ValueError(f"tenant names must be unique, got {sorted(n for n in set(names) if names.count(n) > 1)}")
+        if len({t.key_sha256 for t in tenants}) != len(tenants):
+            raise ValueError("two tenants have the same key")
         self._by_hash = {t.key_sha256: t for t in tenants}
+        self.key_versions = {t.name: t.key_version for t in tenants}  # what the gateway signs with
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tenants:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import KafkaError
 
+from topics.connect import kafka_options
 from topics.errors import Unavailable
 from topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, request_topics
 from topics.stats import STATS_TOPIC
@@ -69,7 +70,7 @@ async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec]) -> dict[str,
     specified is left alone (Kafka cannot shrink a topic) and logged.
     """
     specs = list(specs)
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
+    admin = AIOKafkaAdminClient(**kafka_options(bootstrap, request_timeout_ms=15_000))
     try:
         await admin.start()
         existing = await _partition_counts(admin, [s.name for s in specs])
@@ -104,7 +105,7 @@ async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec]) -> dict[str,
 
 async def missing_topics(bootstrap: str, names: list[str]) -> list[str]:
     """Which of ``names`` the cluster does not have."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15_000)
+    admin = AIOKafkaAdminClient(**kafka_options(bootstrap, request_timeout_ms=15_000))
     try:
         await admin.start()
         existing = await _partition_counts(admin, names)
