@@ -136,16 +136,18 @@ class ReplySink:
         reached nobody and have no fallback."""
         messages: list[tuple[str, bytes, list[Delivery]]] = []
         for channel, outs in channels.items():
-            by_key: dict[bytes | None, list[Delivery]] = {}
+            batches: dict[bytes | None, list[Delivery]] = {}  # one message per reader: same channel, same seal
             for o in outs:
-                if o.batchable:  # one message per reader: same channel, same seal
-                    by_key.setdefault(o.key, []).append(o)
-            for key, batched in by_key.items():
-                if len(batched) > 1:
-                    batch = ReplyBatch([o.message for o in batched])
-                    messages.append((channel, pack(batch) if key is None else seal(batch, key), batched))
-            outs = [o for o in outs if not (o.batchable and len(by_key[o.key]) > 1)]
-            messages += [(channel, o.pack(), [o]) for o in outs]
+                if o.batchable:
+                    batches.setdefault(o.key, []).append(o)
+                else:
+                    messages.append((channel, o.pack(), [o]))
+            for key, group in batches.items():
+                if len(group) == 1:
+                    messages.append((channel, group[0].pack(), group))
+                else:
+                    batch = ReplyBatch([o.message for o in group])
+                    messages.append((channel, pack(batch) if key is None else seal(batch, key), group))
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for channel, data, _ in messages:

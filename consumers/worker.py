@@ -61,7 +61,7 @@ from topics import (
     decode_request,
     now_ms,
 )
-from topics.auth import Refused, Verifier, load_tenant_rules, parse_secrets
+from topics.auth import verifier_from_env
 from topics.backoff import Backoff
 from topics.connect import kafka_options
 from topics.envelope import salvage_route
@@ -178,18 +178,6 @@ class _Feed:
         return found
 
 
-def verifier_from(tenants: str | None, secrets: str) -> Verifier | None:
-    """What the worker checks on every request: signatures when it holds signing secrets, and the
-    tenant registry's rules when it has one (raises ``ValueError`` for a registry without secrets)."""
-    keys = parse_secrets(secrets)
-    if not keys:
-        if tenants is not None:
-            raise ValueError("--tenants needs KINFER_SIGNING_SECRET: a tenant named in an unsigned request "
-                             "could be anyone")
-        return None
-    return Verifier(keys, load_tenant_rules(tenants) if tenants is not None else None)
-
-
 class Worker:
     def __init__(self, settings: WorkerSettings, runners: dict[str, Runner] | None = None) -> None:
         self.settings = settings
@@ -217,7 +205,7 @@ class Worker:
         self._computing: dict[asyncio.Task[None], float] = {}  # running work -> when it is predicted to end
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
-        self._verifier = verifier_from(settings.tenants, os.environ.get("KINFER_SIGNING_SECRET", ""))
+        self._verifier = verifier_from_env(settings.tenants)
         self._sink: ReplySink | None = None
 
     def stop(self) -> None:
@@ -329,11 +317,8 @@ class Worker:
             if value is None:
                 raise InvalidRequest("the record has no value (a tombstone)", "message")
             request = decode_request(value, self.settings.limits)
-            if self._verifier is not None:
-                try:
-                    self._verifier.check(value, record.headers, request.tenant, request.priority, priority)
-                except Refused as refused:
-                    raise InvalidRequest(str(refused), refused.field) from refused
+            if self._verifier is not None:  # raises Refused (an InvalidRequest): dead-lettered below
+                self._verifier.check(value, record.headers, request.tenant, request.priority, priority)
             if request.model != feed.name:
                 raise InvalidRequest(f"model {request.model!r} sent to a topic of {feed.name!r}", "model")
             route = request.reply

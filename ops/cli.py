@@ -199,10 +199,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_tenant_key(args: argparse.Namespace) -> int:
-    from topics.auth import TenantCredential, parse_secrets
+    from topics.auth import TenantCredential, signing_secrets
     from topics.envelope import TENANT_PATTERN
 
-    secrets = parse_secrets(os.environ.get("KINFER_SIGNING_SECRET", ""))
+    secrets = signing_secrets()
     if not secrets:
         raise ValueError("KINFER_SIGNING_SECRET is not set (the deployment's signing secret, hex; "
                          "`kinfer stack env --principal kinfer-gateway` shows a secure local stack's)")

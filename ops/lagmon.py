@@ -38,7 +38,7 @@ from topics.health import (
     LevelChange,
     health_key,
 )
-from topics.names import consumer_group, parse_request_topic, request_topics
+from topics.names import consumer_group, parse_request_topic, request_topics, served_models
 from topics.stats import ModelStats, stats_key
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,7 @@ class LagMonitor:
     async def poll(
         self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, redis: aioredis.Redis | None = None
     ) -> list[HealthState]:
-        models = self.models or sorted({parse_request_topic(t)[0] for t in await admin.list_topics()
-                                        if _is_request_topic(t)})
+        models = self.models or served_models(await admin.list_topics())
         states = []
         for model in models:
             measured = now_ms()  # before the offsets: producers count their sends from here
@@ -193,14 +192,6 @@ async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, m
         end[p] += ends[tp]
     counts = [len(t["partitions"]) for t in described if t["error_code"] == 0]
     return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()), min(counts))
-
-
-def _is_request_topic(topic: str) -> bool:
-    try:
-        parse_request_topic(topic)
-    except ValueError:
-        return False
-    return True
 
 
 __all__ = ["LagMonitor", "Level", "health_topic_spec"]

@@ -32,6 +32,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from topics.health import HEALTH_TOPIC
+from topics.names import (
+    DEFAULT_REPLY_TOPIC,
+    DLQ_TOPIC,
+    REPLY_TOPIC_PREFIX,
+    REQUEST_PREFIX,
+    WORKER_GROUP_PREFIX,
+    Priority,
+    request_topic,
+)
+from topics.stats import STATS_TOPIC
+
 ADMIN = "admin"
 WORKER = "kinfer-worker"
 LAGMON = "kinfer-lagmon"
@@ -48,16 +60,7 @@ BROKER_CN = "kinfer-broker"
 BROKER_PRINCIPAL = f"User:CN={BROKER_CN}"
 TELEMETRY_APP_ID = "kinfer-telemetry"  # faust's app id: its group and the prefix of its own topics
 
-# Names the ACL table spells (kept here, not imported, so the table reads as one page; a unit test
-# checks them against topics.names / topics.health / topics.stats).
-REQUEST_PREFIX = "infer."
-DLQ_TOPIC = "infer.dlq"
-REPLY_PREFIX = "replies."
-DEFAULT_REPLY_TOPIC = "replies.default"
-STATS_TOPIC = "kinfer.stats"
-HEALTH_TOPIC = "kinfer.health"
-WORKER_GROUP_PREFIX = "kinfer.worker."
-PRIORITIES = (0, 1, 2)
+PRIORITIES = tuple(int(p) for p in Priority)
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
@@ -385,7 +388,7 @@ def service_acls(telemetry_app_id: str = TELEMETRY_APP_ID) -> list[Acl]:
         # The worker: consumes the request topics in its group, answers, dead-letters, reports.
         *_grant(WORKER, "TOPIC", REQUEST_PREFIX, "PREFIXED", "READ", "DESCRIBE"),
         *_grant(WORKER, "GROUP", WORKER_GROUP_PREFIX, "PREFIXED", "READ"),
-        *_grant(WORKER, "TOPIC", REPLY_PREFIX, "PREFIXED", "WRITE", "DESCRIBE"),
+        *_grant(WORKER, "TOPIC", REPLY_TOPIC_PREFIX, "PREFIXED", "WRITE", "DESCRIBE"),
         *_grant(WORKER, "TOPIC", DLQ_TOPIC, "LITERAL", "WRITE"),
         *_grant(WORKER, "TOPIC", STATS_TOPIC, "LITERAL", "WRITE", "DESCRIBE"),
         # The lag monitor: log-end offsets (ListOffsets: DESCRIBE), the workers' committed offsets
@@ -407,10 +410,6 @@ def service_acls(telemetry_app_id: str = TELEMETRY_APP_ID) -> list[Acl]:
         *_grant(GATEWAY, "TOPIC", DEFAULT_REPLY_TOPIC, "LITERAL", "READ", "DESCRIBE"),
     ]
     return acls
-
-
-def request_topic(model: str, priority: int) -> str:
-    return f"{REQUEST_PREFIX}{model}.p{priority}"
 
 
 def tenant_acls(tenant: str, best: int, models: Iterable[str]) -> list[Acl]:

@@ -18,7 +18,6 @@ principal's from the recorded stack (``apply_stack_env``). Secrets stay in ``<ho
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from typing import Any
 from urllib.parse import quote, urlparse
 
 from ops import secure as sec
+from topics.auth import TenantCredential
 from topics.connect import KafkaAuth, kafka_options
 
 KAFKA_VERSION = "3.9.1"
@@ -257,8 +257,6 @@ class StackInfo:
             out["KINFER_SIGNING_SECRET"] = secrets.signing_secret
         tenant = secrets.tenant_of(principal)
         if tenant is not None:
-            from topics.auth import TenantCredential
-
             out["KINFER_TENANT"] = tenant
             out["KINFER_TENANT_KEY"] = str(TenantCredential.derive(bytes.fromhex(secrets.signing_secret), tenant))
         return out
@@ -643,7 +641,7 @@ async def apply_acls(info: StackInfo, models: Iterable[str] | None = None,
     from aiokafka.errors import KafkaError
     from aiokafka.protocol.admin import CreateAclsRequest
 
-    from topics.names import parse_request_topic
+    from topics.names import served_models
 
     secrets = info.secrets()
     client = AIOKafkaClient(**kafka_options(info.bootstrap, request_timeout_ms=15_000, **_stack_kafka_options(info)))
@@ -651,11 +649,7 @@ async def apply_acls(info: StackInfo, models: Iterable[str] | None = None,
         await client.bootstrap()
         if acls is None:
             if models is None:
-                found = set()
-                for topic in (await client.fetch_all_metadata()).topics():
-                    with contextlib.suppress(ValueError):
-                        found.add(parse_request_topic(topic)[0])
-                models = sorted(found)
+                models = served_models((await client.fetch_all_metadata()).topics())
             acls = sec.kafka_acls(secrets.tenants, models)
         table = list(acls)
         for acl in table:

@@ -53,9 +53,9 @@ from topics import (
     pack,
 )
 from topics.auth import Signer, cancel_mac, signer_from_env
-from topics.connect import KafkaAuth, kafka_options
+from topics.connect import KafkaAuth
 from topics.health import HealthState
-from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, parse_request_topic, redis_reply_channel, request_topic
+from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, redis_reply_channel, request_topic, served_models
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,11 @@ class Client:
             options["tenant"] = options["signer"].default_tenant or "default"
         self.settings = ClientSettings(bootstrap=bootstrap, redis_url=redis_url, **options)
         self.client_id = uuid.uuid4().hex[:16]
+        auth = KafkaAuth.from_env()
+        self._acl_hides_topics = auth.sasl  # a principal may not see the topics it may not use
         self._producer = AIOKafkaProducer(
-            **kafka_options(bootstrap),
+            bootstrap_servers=bootstrap,
+            **auth.options(),
             acks="all",  # an acknowledged request is on every in-sync replica
             enable_idempotence=True,
             linger_ms=self.settings.linger_ms,
@@ -406,11 +409,7 @@ class Client:
             cluster = await self._producer.client.fetch_all_metadata()
         except KafkaError as exc:
             raise Unavailable(f"Kafka metadata unavailable: {exc}") from exc
-        found = set()
-        for topic in cluster.topics():
-            with contextlib.suppress(ValueError):
-                found.add(parse_request_topic(topic)[0])
-        return sorted(found)
+        return served_models(cluster.topics())
 
     async def ping(self) -> dict[str, bool]:
         """Whether Kafka and Redis answer now, and the reply readers run (for readiness probes)."""
@@ -425,9 +424,8 @@ class Client:
             status["redis"] = False
         return status
 
-    @staticmethod
-    def _not_served(topic: str, model: str) -> str:
-        if KafkaAuth.from_env().sasl:  # an ACL hides the topics a principal may not use
+    def _not_served(self, topic: str, model: str) -> str:
+        if self._acl_hides_topics:
             return f"no topic {topic} visible: model {model!r} is not served, or not at this priority for this tenant"
         return f"no topic {topic}: model {model!r} is not served"
 

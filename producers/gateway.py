@@ -29,7 +29,6 @@ import asyncio
 import base64
 import gc
 import logging
-import os
 import struct
 import time
 import uuid
@@ -65,7 +64,7 @@ from topics import (
     Unavailable,
     UnknownModel,
 )
-from topics.auth import Signer, parse_secrets
+from topics.auth import Signer, signing_secrets
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +245,7 @@ class _Gateway:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         # With KINFER_SIGNING_SECRET the gateway signs each request for the tenant it authenticated
         # (workers holding the secret refuse unsigned ones); the tenant's key version from the file.
-        secrets = parse_secrets(os.environ.get("KINFER_SIGNING_SECRET", ""))
+        secrets = signing_secrets()
         tenants = self.settings.tenants
         signer = Signer(secret=secrets[0], versions=tenants.key_versions if tenants else None) if secrets else None
         self._client = Client(self.settings.bootstrap, self.settings.redis_url, tenant="gateway", signer=signer)

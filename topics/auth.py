@@ -30,6 +30,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from topics.errors import InvalidRequest
+from topics.names import Priority
+
 SIG_HEADER = "kinfer-sig"
 KID_HEADER = "kinfer-kid"
 REPLY_KEY_BYTES = 16  # what a client draws; requests may carry 16..64 bytes
@@ -48,6 +51,11 @@ def key_id(secret: bytes) -> str:
 def tenant_key(secret: bytes, tenant: str, version: int = 1) -> bytes:
     """Tenant ``tenant``'s signing key under ``secret`` (bumping ``version`` revokes the old key)."""
     return _mac(secret, b"kinfer-tenant\0" + tenant.encode() + b"\0" + str(version).encode())
+
+
+def signing_secrets(env: Mapping[str, str] | None = None) -> list[bytes]:
+    """This process's signing secrets (``KINFER_SIGNING_SECRET``), the current one first; [] when unset."""
+    return parse_secrets((os.environ if env is None else env).get("KINFER_SIGNING_SECRET", ""))
 
 
 def parse_secrets(text: str) -> list[bytes]:
@@ -162,22 +170,15 @@ def load_tenant_rules(path: str) -> dict[str, TenantRule]:
         entries = json.loads(Path(path).read_text())["tenants"]
         rules = {}
         for entry in entries:
-            best = entry.get("max_priority", 0)
-            best = int(best[1:]) if isinstance(best, str) and best[:1] in "pP" else int(best)
-            if not 0 <= best <= 2:
-                raise ValueError(f"max_priority of {entry['name']!r} must be 0, 1 or 2")
-            rules[str(entry["name"])] = TenantRule(best, int(entry.get("key_version", 1)))
+            best = Priority.parse(entry.get("max_priority", 0))
+            rules[str(entry["name"])] = TenantRule(int(best), int(entry.get("key_version", 1)))
         return rules
     except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"{path}: not a tenants file ({type(exc).__name__}: {exc})") from exc
 
 
-class Refused(Exception):
-    """A request that fails its signature or its tenant's rules; ``field`` names what is wrong."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
+class Refused(InvalidRequest):
+    """A request that fails its signature or its tenant's rules (``field``: signature, tenant, priority)."""
 
 
 @dataclass
@@ -261,7 +262,7 @@ def signer_from_env(env: Mapping[str, str] | None = None) -> Signer | None:
     """The signer this process is configured with: ``KINFER_SIGNING_SECRET`` (a gateway: signs for
     any tenant) or ``KINFER_TENANT`` + ``KINFER_TENANT_KEY`` (a team's client); None: unsigned."""
     env = os.environ if env is None else env
-    secrets = parse_secrets(env.get("KINFER_SIGNING_SECRET", ""))
+    secrets = signing_secrets(env)
     if secrets:
         return Signer(secret=secrets[0])
     key = env.get("KINFER_TENANT_KEY")
@@ -271,3 +272,16 @@ def signer_from_env(env: Mapping[str, str] | None = None) -> Signer | None:
             raise ValueError("KINFER_TENANT_KEY needs KINFER_TENANT (the tenant the key belongs to)")
         return Signer(credential=TenantCredential.parse(tenant, key))
     return None
+
+
+def verifier_from_env(tenants: str | None, env: Mapping[str, str] | None = None) -> Verifier | None:
+    """What a worker checks: signatures when it holds signing secrets, and the rules of the tenants
+    file when it has one; None when it holds no secret (raises ``ValueError`` for a tenants file
+    without secrets: a tenant named in an unsigned request could be anyone)."""
+    secrets = signing_secrets(env)
+    if not secrets:
+        if tenants is not None:
+            raise ValueError("--tenants needs KINFER_SIGNING_SECRET: a tenant named in an unsigned request "
+                             "could be anyone")
+        return None
+    return Verifier(secrets, load_tenant_rules(tenants) if tenants is not None else None)

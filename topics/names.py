@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 
 DLQ_TOPIC = "infer.dlq"
 DEFAULT_REPLY_TOPIC = "replies.default"  # the durable reply topic clients fall back to
 REQUEST_PREFIX = "infer."
 REPLY_TOPIC_PREFIX = "replies."
+WORKER_GROUP_PREFIX = "kinfer.worker."
 REDIS_REPLY_PREFIX = "kinfer:reply:"
 CANCEL_CHANNEL = "kinfer:cancel"  # Redis pub/sub: {"id", "model"} of streams whose client went away
 
@@ -77,6 +79,17 @@ def parse_request_topic(topic: str) -> tuple[str, Priority]:
     return parts[1], Priority.parse(parts[2])
 
 
+def served_models(topics: Iterable[str]) -> list[str]:
+    """The models whose request topics are among ``topics`` (a broker's topic list), sorted."""
+    found = set()
+    for topic in topics:
+        try:
+            found.add(parse_request_topic(topic)[0])
+        except ValueError:
+            continue
+    return sorted(found)
+
+
 def reply_topic(name: str) -> str:
     return f"{REPLY_TOPIC_PREFIX}{name}"
 
@@ -94,4 +107,4 @@ def valid_route_name(name: str) -> bool:
 
 def consumer_group(model: str) -> str:
     """Every worker serving ``model`` joins this group, so partitions are shared among them."""
-    return f"kinfer.worker.{check_model_name(model)}"
+    return f"{WORKER_GROUP_PREFIX}{check_model_name(model)}"

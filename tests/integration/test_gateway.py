@@ -29,7 +29,7 @@ from producers import Client
 from producers.gateway import GatewaySettings, create_app
 from producers.http import guarded_protocol
 from producers.tenants import Tenants, hash_key
-from tests.integration.conftest import WorkerProcess
+from tests.integration.conftest import WorkerProcess, delete_model_topics
 from topics import now_ms
 from topics.admin import ensure_topics, model_topic_specs
 from topics.health import HEALTH_CHANNEL, HealthState, Level
@@ -62,6 +62,8 @@ def workers(stack: StackInfo, tmp_path_factory: pytest.TempPathFactory) -> Itera
     yield models
     for p in procs:
         p.stop()
+    for model in models:
+        asyncio.run(delete_model_topics(stack.bootstrap, model))
 
 
 @pytest.fixture(scope="module")

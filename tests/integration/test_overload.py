@@ -16,7 +16,7 @@ import pytest
 from ops.procs import wait_until_served
 from ops.stack import StackInfo
 from producers import Client
-from tests.integration.conftest import WorkerProcess
+from tests.integration.conftest import WorkerProcess, delete_model_topics
 from topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
 from topics.admin import ensure_topics, model_topic_specs
 
@@ -105,3 +105,5 @@ async def test_spike_on_one_model_does_not_starve_its_neighbour(
     # The quiet model was served alongside the spike, not behind it: when its last request
     # finished, most of the busy model's backlog was still waiting.
     assert busy_done_when_quiet_done < 700, busy_done_when_quiet_done
+    for model in (busy, quiet):
+        await delete_model_topics(stack.bootstrap, model)

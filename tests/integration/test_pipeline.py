@@ -21,7 +21,7 @@ from ops.procs import wait_until_served
 from ops.stack import StackInfo
 from producers import BlockingClient, Client
 from producers.client import MISSING_TOPIC_TTL_S
-from tests.integration.conftest import WorkerProcess
+from tests.integration.conftest import WorkerProcess, delete_model_topics
 from topics import DeadlineExceeded, InvalidRequest, KinferError, Priority, Result, UnknownModel, seal
 from topics.admin import ensure_topics, model_topic_specs
 
@@ -120,10 +120,13 @@ async def test_a_missing_model_is_remembered_briefly_and_found_once_created(
     assert lookups == 0  # answered from memory: no metadata round trip per request
 
     await ensure_topics(stack.bootstrap, model_topic_specs(model_name, 3))
-    await asyncio.sleep(MISSING_TOPIC_TTL_S)
-    with pytest.raises(DeadlineExceeded) as waited:  # published this time (no worker serves it)
-        await client.infer(model_name, ["x"], deadline_ms=300)
-    assert not waited.value.answered and lookups == 1
+    try:
+        await asyncio.sleep(MISSING_TOPIC_TTL_S)
+        with pytest.raises(DeadlineExceeded) as waited:  # published this time (no worker serves it)
+            await client.infer(model_name, ["x"], deadline_ms=300)
+        assert not waited.value.answered and lookups == 1
+    finally:
+        await delete_model_topics(stack.bootstrap, model_name)
 
 
 def test_blocking_client_and_pipelined_infer_many(

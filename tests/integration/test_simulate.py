@@ -28,7 +28,7 @@ async def test_the_simulator_agrees_with_a_short_real_run(
     await wait_until_served(client, topics)
     report = await open_loop(client, topics, ["x"] * 900, 60.0, poisson=True, deadline_ms=30_000, seed=5)
     real = report.summary()
-    assert real["ok"] == 900
+    assert real["ok"] == 900, report.statuses()
 
     # Told what this machine measures (it differs by machine and load), from the run's own timings:
     # the transport (send to fetch), the forward pass per input, and the way back (what is left of

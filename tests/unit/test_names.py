@@ -50,3 +50,10 @@ def test_replication_follows_the_cluster_unless_given() -> None:
         replication_for(2, replication=3)
     with pytest.raises(ValueError, match=r"min\.insync\.replicas"):
         replication_for(3, min_insync=4)
+
+
+def test_served_models_are_read_from_a_topic_list() -> None:
+    from topics.names import served_models
+
+    topics = ["infer.b.p0", "infer.b.p1", "infer.a.p2", "infer.dlq", "replies.default", "infer.Bad.p0", "kinfer.stats"]
+    assert served_models(topics) == ["a", "b"]

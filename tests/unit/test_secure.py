@@ -18,7 +18,6 @@ from topics.health import HEALTH_TOPIC
 from topics.names import (
     DEFAULT_REPLY_TOPIC,
     DLQ_TOPIC,
-    REPLY_TOPIC_PREFIX,
     REQUEST_PREFIX,
     consumer_group,
     request_topic,
@@ -34,14 +33,6 @@ TABLE = sec.kafka_acls(TENANTS, MODELS)
 
 def may(principal: str, operation: str, name: str, resource: str = "TOPIC") -> bool:
     return sec.allowed(TABLE, principal, resource, name, operation)
-
-
-def test_the_table_spells_the_contracts_names() -> None:
-    assert sec.REQUEST_PREFIX == REQUEST_PREFIX and sec.DLQ_TOPIC == DLQ_TOPIC
-    assert sec.REPLY_PREFIX == REPLY_TOPIC_PREFIX and sec.DEFAULT_REPLY_TOPIC == DEFAULT_REPLY_TOPIC
-    assert sec.STATS_TOPIC == STATS_TOPIC and sec.HEALTH_TOPIC == HEALTH_TOPIC
-    assert consumer_group("m").startswith(sec.WORKER_GROUP_PREFIX)
-    assert all(sec.request_topic("m", p) == request_topic("m", p) for p in sec.PRIORITIES)
 
 
 def test_every_record_is_one_kafka_can_create() -> None:
