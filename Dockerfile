@@ -28,4 +28,7 @@ RUN pip install --no-deps . \
 USER kinfer
 # 8000: the gateway; 9100-9102: Prometheus metrics of the worker, lag monitor and autoscaler.
 EXPOSE 8000 9100 9101 9102
+# Secrets from files (KINFER_KAFKA_PASSWORD_FILE, KINFER_SIGNING_SECRET_FILE, KINFER_REDIS_PASSWORD_FILE:
+# docker-compose.yml), then the command; without them it only runs the command.
+ENTRYPOINT ["/bin/sh", "/app/ops/docker-entrypoint.sh"]
 CMD ["kinfer", "gateway", "--host", "0.0.0.0", "--port", "8000", "--tenants", "/etc/kinfer/tenants.json"]

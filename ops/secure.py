@@ -28,9 +28,10 @@ import json
 import os
 import re
 import secrets as _random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote, urlparse
 
 from topics.health import HEALTH_TOPIC
 from topics.names import (
@@ -206,6 +207,36 @@ def ensure_secure_dir(root: Path, tenants: Mapping[str, int] | None = None) -> t
     return files, found
 
 
+def redis_url_with_user(url: str, principal: str, password: str) -> str:
+    """``url`` (``redis://host:port/db``) with ``principal``'s user and password in it."""
+    parts = urlparse(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{quote(principal, safe='')}:{quote(password, safe='')}@{netloc}").geturl()
+
+
+def principal_env(secrets: Secrets, principal: str, bootstrap: str, redis_url: str, ca_file: str) -> dict[str, str]:
+    """The environment of a process acting as ``principal`` (kinfer reads nothing else).
+
+    Redis's URL with the principal's user and password, ``KINFER_KAFKA_*`` (SASL_SSL, SCRAM-SHA-512,
+    user, password, ``ca_file``), ``KINFER_SIGNING_SECRET`` for those that sign or check requests
+    (the worker, the gateway, admin), and for a tenant ``KINFER_TENANT`` and its request key
+    ``KINFER_TENANT_KEY``. An unknown principal is a ``ValueError``.
+    """
+    from topics.auth import TenantCredential
+    from topics.connect import KafkaAuth
+
+    password = secrets.password(principal)
+    out = {"KINFER_BOOTSTRAP": bootstrap, "KINFER_REDIS_URL": redis_url_with_user(redis_url, principal, password),
+           **KafkaAuth("SASL_SSL", "SCRAM-SHA-512", principal, password, ca_file).env()}
+    if principal in (WORKER, GATEWAY, ADMIN):
+        out["KINFER_SIGNING_SECRET"] = secrets.signing_secret
+    tenant = secrets.tenant_of(principal)
+    if tenant is not None:
+        out["KINFER_TENANT"] = tenant
+        out["KINFER_TENANT_KEY"] = str(TenantCredential.derive(bytes.fromhex(secrets.signing_secret), tenant))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Certificates (cryptography)
 
@@ -236,9 +267,13 @@ def make_ca(days: int = 3650) -> tuple[bytes, bytes]:
     return _key_pem(key), cert.public_bytes(serialization.Encoding.PEM)
 
 
-def make_broker_cert(ca_key_pem: bytes, ca_cert_pem: bytes, days: int = 825) -> tuple[bytes, bytes]:
+def make_broker_cert(ca_key_pem: bytes, ca_cert_pem: bytes, days: int = 825,
+                     dns_names: Sequence[str] = ("localhost",),
+                     ips: Sequence[str] = ("127.0.0.1",)) -> tuple[bytes, bytes]:
     """The nodes' certificate, signed by the CA: server (client listener, controller listener) and
-    client (a node dialling the controllers) alike. Returns (PKCS#8 key PEM, certificate PEM)."""
+    client (a node dialling the controllers) alike, valid for ``dns_names`` and ``ips`` (the local
+    stack's: localhost and 127.0.0.1; a compose broker's: its service name too).
+    Returns (PKCS#8 key PEM, certificate PEM)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -257,8 +292,8 @@ def make_broker_cert(ca_key_pem: bytes, ca_cert_pem: bytes, days: int = 825) -> 
         .issuer_name(ca_cert.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.IPv4Address("127.0.0.1"))]),
+        .add_extension(x509.SubjectAlternativeName([*(x509.DNSName(n) for n in dns_names),
+                                                    *(x509.IPAddress(ipaddress.ip_address(a)) for a in ips)]),
                        critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
@@ -301,7 +336,8 @@ CLIENT_LISTENER = "CLIENT"
 CONTROLLER_LISTENER = "CONTROLLER"
 
 
-def kafka_security_properties(files: SecureFiles, admin_password: str) -> list[str]:
+def kafka_security_properties(files: SecureFiles, admin_password: str,
+                              extra_listeners: Sequence[str] = ()) -> list[str]:
     """The lines a secure node's server.properties adds (listeners themselves are the caller's).
 
     * CLIENT (clients, and broker to broker): SASL_SSL with SCRAM-SHA-512. The nodes talk to each
@@ -313,11 +349,20 @@ def kafka_security_properties(files: SecureFiles, admin_password: str) -> list[s
       handshake; everyone else, clients with valid SCRAM passwords included, is refused there.
       The nodes' principal on it is ``User:CN=kinfer-broker``, a super user.
     * StandardAuthorizer, nothing allowed without an ACL (``allow.everyone.if.no.acl.found=false``).
+    * ``extra_listeners``: more listeners like CLIENT for clients only (no broker dials them, so
+      their login module holds no password), e.g. compose's HOST listener for the host's clients.
     """
     jaas = (f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" '
             f'password="{admin_password}";')
+    extra: list[str] = []
+    for name in extra_listeners:
+        extra += [f"listener.name.{name.lower()}.scram-sha-512.sasl.jaas.config="
+                  "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+                  f"listener.name.{name.lower()}.ssl.client.auth=none"]
+    protocols = ",".join([f"{CLIENT_LISTENER}:SASL_SSL", *(f"{n}:SASL_SSL" for n in extra_listeners),
+                          f"{CONTROLLER_LISTENER}:SSL"])
     return [
-        f"listener.security.protocol.map={CLIENT_LISTENER}:SASL_SSL,{CONTROLLER_LISTENER}:SSL",
+        f"listener.security.protocol.map={protocols}",
         f"inter.broker.listener.name={CLIENT_LISTENER}",
         "sasl.enabled.mechanisms=SCRAM-SHA-512",
         "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-512",
@@ -329,10 +374,21 @@ def kafka_security_properties(files: SecureFiles, admin_password: str) -> list[s
         "ssl.endpoint.identification.algorithm=https",  # a node checks the SAN of the one it dials
         f"listener.name.{CONTROLLER_LISTENER.lower()}.ssl.client.auth=required",
         f"listener.name.{CLIENT_LISTENER.lower()}.ssl.client.auth=none",
+        *extra,
         "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
         "allow.everyone.if.no.acl.found=false",
         f"super.users=User:{ADMIN};{BROKER_PRINCIPAL}",
     ]
+
+
+SCRAM_ITERATIONS = 8192  # Kafka accepts 4096..16384
+
+
+def scram_salted_password(password: str, salt: bytes, iterations: int = SCRAM_ITERATIONS) -> bytes:
+    """SCRAM-SHA-512's SaltedPassword (RFC 5802: Hi(password, salt, i) is PBKDF2-HMAC), what Kafka's
+    AlterUserScramCredentials takes with the salt and the iterations (KIP-554): the broker derives
+    the stored and server keys from it, and the password itself never travels."""
+    return hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
 
 
 def storage_scram_args(secrets: Secrets) -> list[str]:

@@ -27,14 +27,13 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlparse
+from urllib.parse import urlparse
 
 from ops import secure as sec
-from topics.auth import TenantCredential
 from topics.connect import KafkaAuth, kafka_options
 
 KAFKA_VERSION = "3.9.1"
@@ -236,9 +235,7 @@ class StackInfo:
         """``redis_url`` with ``principal``'s user and password (unchanged for an insecure stack)."""
         if not self.secure:
             return self.redis_url
-        password = self.secrets().password(principal)
-        url = urlparse(self.redis_url)
-        return url._replace(netloc=f"{quote(principal, safe='')}:{quote(password, safe='')}@{url.netloc}").geturl()
+        return sec.redis_url_with_user(self.redis_url, principal, self.secrets().password(principal))
 
     def env(self, principal: str = sec.ADMIN) -> dict[str, str]:
         """The environment of a process acting as ``principal`` on this stack.
@@ -250,16 +247,8 @@ class StackInfo:
         """
         if not self.secure:
             return {"KINFER_BOOTSTRAP": self.bootstrap, "KINFER_REDIS_URL": self.redis_url}
-        secrets = self.secrets()
-        out = {"KINFER_BOOTSTRAP": self.bootstrap, "KINFER_REDIS_URL": self.redis_url_for(principal),
-               **self.kafka_auth(principal).env()}
-        if principal in (sec.WORKER, sec.GATEWAY, sec.ADMIN):
-            out["KINFER_SIGNING_SECRET"] = secrets.signing_secret
-        tenant = secrets.tenant_of(principal)
-        if tenant is not None:
-            out["KINFER_TENANT"] = tenant
-            out["KINFER_TENANT_KEY"] = str(TenantCredential.derive(bytes.fromhex(secrets.signing_secret), tenant))
-        return out
+        return sec.principal_env(self.secrets(), principal, self.bootstrap, self.redis_url,
+                                 str(self.secure_files.ca_cert))
 
 
 class LocalStack:
@@ -637,20 +626,29 @@ async def apply_acls(info: StackInfo, models: Iterable[str] | None = None,
     """Create ``acls`` (default: the whole table of ``ops.secure.kafka_acls`` for the stack's tenants
     and ``models``, default: the models whose request topics the brokers list now), as admin.
     Creating an ACL that exists changes nothing. Returns how many were sent."""
+    secrets = info.secrets()
+    return await create_acls(info.bootstrap, _stack_kafka_options(info), secrets.tenants, models, acls)
+
+
+async def create_acls(bootstrap: str, options: dict[str, Any], tenants: Mapping[str, int],
+                      models: Iterable[str] | None = None, acls: Iterable[sec.Acl] | None = None) -> int:
+    """Create ``acls`` on the cluster at ``bootstrap`` with the security ``options`` of a super user
+    (``topics.connect`` settings; ``{}``: this process's environment). Default: the whole table of
+    ``ops.secure.kafka_acls`` for ``tenants`` and ``models``, default: the models whose request
+    topics the brokers list now. Creating an ACL that exists changes nothing. Returns how many."""
     from aiokafka.client import AIOKafkaClient
     from aiokafka.errors import KafkaError
     from aiokafka.protocol.admin import CreateAclsRequest
 
     from topics.names import served_models
 
-    secrets = info.secrets()
-    client = AIOKafkaClient(**kafka_options(info.bootstrap, request_timeout_ms=15_000, **_stack_kafka_options(info)))
+    client = AIOKafkaClient(**kafka_options(bootstrap, request_timeout_ms=15_000, **options))
     try:
         await client.bootstrap()
         if acls is None:
             if models is None:
                 models = served_models((await client.fetch_all_metadata()).topics())
-            acls = sec.kafka_acls(secrets.tenants, models)
+            acls = sec.kafka_acls(tenants, models)
         table = list(acls)
         for acl in table:
             request = CreateAclsRequest(sec.RESOURCE_TYPES[acl.resource], acl.name, sec.PATTERN_TYPES[acl.pattern],
@@ -662,7 +660,7 @@ async def apply_acls(info: StackInfo, models: Iterable[str] | None = None,
                     raise StackError(f"creating ACL {acl} failed: error {code} {message}")
         return len(table)
     except KafkaError as exc:
-        raise StackError(f"applying ACLs on {info.bootstrap} failed: {exc}") from exc
+        raise StackError(f"applying ACLs on {bootstrap} failed: {exc}") from exc
     finally:
         await client.close()
         await tls_closes_settled()

@@ -1,21 +1,33 @@
 """The deployment files, checked without a cluster: every kinfer command in them parses with the real
 command line, the Kubernetes objects hang together (selectors, config, RBAC for the autoscaler, grace
-periods longer than a worker's drain), and the KEDA object is what ``--emit keda`` writes today."""
+periods longer than a worker's drain), and the KEDA object is what ``--emit keda`` writes today.
+
+``docker-compose.yml`` (no Docker engine here: checked by reading it): every service restarts and
+reports its health but the one-shot jobs, which others wait for; every service that talks to Kafka
+acts as a principal of ``ops.secure``'s table with its own secrets volume, which the secrets job
+writes; the brokers are the layout the secrets job wrote their configuration for; Prometheus
+scrapes every metrics port; the Grafana dashboard asks only for metrics the code defines."""
 
 from __future__ import annotations
 
+import ast
+import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ops import secure as sec
+from ops import secure_init as si
 from ops.autoscaler import keda_scaled_object
 from ops.cli import build_parser
 from ops.scaling import ScalePolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "ops" / "k8s"
+SECURE_INIT = ["python", "-m", "ops.secure_init"]
 
 
 def k8s_objects() -> list[dict[str, Any]]:
@@ -83,13 +95,10 @@ def test_workers_get_longer_to_stop_than_they_take_to_drain() -> None:
             args = parses(c["command"])
             if args.command == "worker":
                 assert obj["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout_s, name
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    for name, service in compose["services"].items():
-        command = service.get("command")
-        if service.get("build") and command:
-            args = parses(command)
-            if args.command == "worker":
-                assert float(service["stop_grace_period"].rstrip("s")) > args.drain_timeout_s, name
+    for name, service in compose_services().items():
+        args = kinfer_args(service)
+        if args is not None and args.command == "worker":
+            assert float(service["stop_grace_period"].rstrip("s")) > args.drain_timeout_s, name
 
 
 def test_the_keda_object_is_what_the_emitter_writes() -> None:
@@ -121,8 +130,366 @@ def test_the_image_runs_as_a_user_and_a_code_change_does_not_reinstall_torch() -
     assert "EXPOSE" in names
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# docker-compose.yml
+
+
+def compose_file() -> dict[str, Any]:
+    """The compose file as ``docker compose config`` would see it with nothing set in the environment:
+    ``${VAR:-default}`` is its default, ``$$`` a literal ``$``."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    text = re.sub(r"(?<!\$)\$\{\w+:-([^}]*)\}", r"\1", text)
+    assert not re.search(r"(?<!\$)\$\{", text), "a variable without a default"
+    text = text.replace("$$", "$")
+    data: dict[str, Any] = yaml.safe_load(text)
+    return data
+
+
+def compose_services() -> dict[str, dict[str, Any]]:
+    services: dict[str, dict[str, Any]] = compose_file()["services"]
+    return services
+
+
+def full_command(service: dict[str, Any]) -> list[str]:
+    """What the container runs, less the kinfer image's entrypoint (which runs the rest)."""
+    return [*service.get("entrypoint", []), *service.get("command", [])]
+
+
+def kinfer_args(service: dict[str, Any]) -> Any:
+    """The parsed `kinfer` command of a service (None for other commands)."""
+    command = full_command(service)
+    return parses(command) if command[:1] == ["kinfer"] else None
+
+
+def secure_init_args(service: dict[str, Any]) -> Any:
+    command = full_command(service)
+    assert command[:3] == SECURE_INIT, command
+    try:
+        return si.build_parser().parse_args(command[3:])
+    except SystemExit as exc:
+        raise AssertionError(f"`{shlex.join(command)}` does not parse") from exc
+
+
+def mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """source -> (target, read only) of a service's volumes (short syntax)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":")
+        out[source] = (target, mode == ["ro"])
+    return out
+
+
+def one_shot_jobs() -> set[str]:
+    return {name for name, service in compose_services().items() if service.get("restart") == "no"}
+
+
+def test_every_command_in_compose_parses() -> None:
+    for name, service in compose_services().items():
+        if not service.get("build"):
+            continue
+        command = full_command(service)
+        assert command[:1] == ["kinfer"] or command[:3] == SECURE_INIT, name
+        if command[:1] == ["kinfer"]:
+            kinfer_args(service)
+        else:
+            secure_init_args(service)
+
+
 def test_compose_services_restart_and_report_health() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    for name in ("worker-minilm", "gateway"):
-        service = compose["services"][name]
-        assert service["restart"] == "unless-stopped" and service["healthcheck"]["test"][0] == "CMD", name
+    services = compose_services()
+    jobs = one_shot_jobs()
+    assert jobs == {"secrets", "topics", "setup"}
+    for name, service in services.items():
+        if name in jobs:
+            assert "healthcheck" not in service, name
+            continue
+        assert service.get("restart") == "unless-stopped", name
+        test = service["healthcheck"]["test"]
+        assert test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, name
+    for name, service in services.items():
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert dependency in services, (name, dependency)
+            expected = "service_completed_successfully" if dependency in jobs else "service_healthy"
+            assert condition == {"condition": expected}, (name, dependency)
+
+    def needs(name: str) -> set[str]:
+        direct = set(services[name].get("depends_on", {}))
+        return direct.union(*(needs(d) for d in direct)) if direct else set()
+
+    for name, service in services.items():  # whoever reads a secret starts after they are written
+        if name != "secrets" and any(source.startswith("secrets-") for source in mounts(service)):
+            assert "secrets" in needs(name), name
+
+
+def test_every_kafka_client_acts_as_a_principal_of_the_acl_table() -> None:
+    from ops.cli import COMPONENT_PRINCIPALS
+
+    services = compose_services()
+    layout = si.layout_from(secure_init_args(services["secrets"]))
+    table = {acl.principal.removeprefix("User:") for acl in sec.kafka_acls(sec.DEFAULT_TENANTS, ["minilm"])}
+    known = table | {sec.ADMIN}  # admin: a super user (super.users), allowed without ACLs
+    users = set()
+    for name, service in services.items():
+        env = service.get("environment", {})
+        if "KINFER_BOOTSTRAP" not in env:
+            assert not any(key.startswith("KINFER_KAFKA") for key in env), name
+            continue
+        user = env["KINFER_KAFKA_USER"]
+        users.add(user)
+        assert user in known, (name, user)
+        assert env["KINFER_BOOTSTRAP"] == layout.bootstrap, name
+        assert env["KINFER_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL", name
+        assert env["KINFER_KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512", name
+        assert not {"KINFER_KAFKA_PASSWORD", "KINFER_SIGNING_SECRET"} & set(env), name  # files only
+        volumes = mounts(service)
+        secret_volumes = {source for source in volumes if source.startswith("secrets-")}
+        assert secret_volumes <= {f"secrets-{user}", "secrets-state"}, name  # its own secrets, no one else's
+        target, read_only = volumes[f"secrets-{user}"]
+        assert read_only, name
+        assert env["KINFER_KAFKA_CA_FILE"] == f"{target}/ca.pem", name
+        assert env["KINFER_KAFKA_PASSWORD_FILE"] == env["KINFER_REDIS_PASSWORD_FILE"] == f"{target}/password", name
+        url = re.fullmatch(r"redis://([^:@/]+)@redis:6379/0", env["KINFER_REDIS_URL"])
+        assert url and url.group(1) == user, name  # the same principal on Redis, its password from the file
+        args = kinfer_args(service)
+        if args is not None and args.command in COMPONENT_PRINCIPALS and args.command not in ("infer", "bench"):
+            assert user == COMPONENT_PRINCIPALS[args.command], name  # what `stack up --secure` gives it
+        signs = args is not None and args.command in ("worker", "gateway")
+        if signs:
+            assert env["KINFER_SIGNING_SECRET_FILE"] == f"{target}/signing-secret", name
+            assert user in si.SIGNERS
+        else:
+            assert "KINFER_SIGNING_SECRET_FILE" not in env, name
+    principals = secure_init_args(services["secrets"]).principals or si.COMPOSE_PRINCIPALS
+    assert users == set(principals)
+
+
+def test_the_secrets_job_writes_the_volumes_their_readers_mount() -> None:
+    services = compose_services()
+    declared = {name for name in compose_file()["volumes"] if name.startswith("secrets-")}
+    init = secure_init_args(services["secrets"])
+    assert services["secrets"]["user"] == "root"  # it hands each volume to its reader
+    written = {source: target for source, (target, read_only) in mounts(services["secrets"]).items()}
+    principals = init.principals or si.COMPOSE_PRINCIPALS
+    assert written == {f"secrets-{name}": f"{init.out}/{name}"
+                       for name in ["state", "kafka", "redis", "grafana", *principals]}
+    assert set(written) == declared
+    assert written["secrets-state"] == init.state
+    readers: dict[str, set[str]] = {}
+    for name, service in services.items():
+        for source, (_, read_only) in mounts(service).items():
+            if source in declared and name != "secrets":
+                readers.setdefault(source, set()).add(name)
+                assert read_only, (name, source)
+    assert readers["secrets-state"] == {"setup"}  # the CA key and every password: the jobs only
+    setup = services["setup"]
+    assert secure_init_args(setup).state == mounts(setup)["secrets-state"][0]
+    assert secure_init_args(setup).action == "setup"
+    redis = services["redis"]
+    aclfile = redis["command"][redis["command"].index("--aclfile") + 1]
+    assert aclfile == f"{mounts(redis)['secrets-redis'][0]}/users.acl"
+    grafana = services["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == \
+        f"{mounts(grafana)['secrets-grafana'][0]}/admin-password"
+    assert readers["secrets-kafka"] == {"kafka-1", "kafka-2", "kafka-3"}
+
+
+def test_the_brokers_are_the_layout_the_secrets_job_configured() -> None:
+    services = compose_services()
+    layout = si.layout_from(secure_init_args(services["secrets"]))
+    brokers = [name for name, service in services.items() if service.get("image", "").startswith("apache/kafka:")]
+    assert brokers == list(layout.brokers)
+    for i, name in enumerate(layout.brokers):
+        service = services[name]
+        assert service["environment"] == {"KINFER_NODE": name}
+        port = layout.host_port_of(i)
+        assert service["ports"] == [f"127.0.0.1:{port}:{port}"]  # the HOST listener, loopback by default
+        volumes = mounts(service)
+        assert volumes[name] == (layout.data_dir, False)
+        assert volumes["secrets-kafka"] == (layout.kafka_dir, True)
+        script = next(source for source in volumes if source.endswith("kafka-start.sh"))
+        assert (ROOT / script).is_file() and service["command"] == ["bash", volumes[script][0]]
+        assert f"{layout.kafka_dir}/admin.properties" in service["healthcheck"]["test"][1]
+        props = dict(line.split("=", 1) for line in si.broker_properties(layout, i, "pw").splitlines())
+        assert props["advertised.listeners"] == f"CLIENT://{name}:9092,HOST://localhost:{port}"
+    assert layout.host_bootstrap == "localhost:19092,localhost:19093,localhost:19094"
+
+
+def test_workers_for_embeddings_generation_and_a_gpu_profile() -> None:
+    services = compose_services()
+    topics = kinfer_args(services["topics"])
+    workers = {name: kinfer_args(s) for name, s in services.items()
+               if kinfer_args(s) is not None and kinfer_args(s).command == "worker"}
+    assert {name: args.model for name, args in workers.items()} == {
+        "worker-minilm": ["minilm"], "worker-minilm-gpu": ["minilm"], "worker-tiny-lm": ["tiny-lm"]}
+    assert {m for args in workers.values() for m in args.model} <= set(topics.model)
+    for name, service in services.items():
+        assert ("profiles" in service) == (name == "worker-minilm-gpu"), name
+    gpu = services["worker-minilm-gpu"]
+    assert gpu["profiles"] == ["gpu"] and workers["worker-minilm-gpu"].device == "cuda"
+    assert gpu["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert "resources" not in services["worker-minilm"].get("deploy", {})
+    for name in workers:
+        assert "kinfer-workers" in services[name]["networks"]["default"]["aliases"], name
+
+
+def test_compose_mounts_files_that_exist() -> None:
+    for name, service in compose_services().items():
+        for source in mounts(service):
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), (name, source)
+
+
+def test_the_image_runs_the_secrets_entrypoint() -> None:
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    entrypoint = next(json.loads(line.split(None, 1)[1]) for line in lines if line.startswith("ENTRYPOINT"))
+    assert entrypoint[:1] == ["/bin/sh"] and entrypoint[1].startswith("/app/")
+    assert (ROOT / entrypoint[1].removeprefix("/app/")).is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus and Grafana
+
+
+def prometheus_targets() -> set[tuple[str, int]]:
+    config = yaml.safe_load((ROOT / "ops" / "prometheus" / "prometheus.yml").read_text())
+    targets = set()
+    for job in config["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics", job["job_name"]
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                targets.add((host, int(port)))
+        for dns in job.get("dns_sd_configs", []):
+            assert dns["type"] == "A"
+            targets |= {(name, int(dns["port"])) for name in dns["names"]}
+    return targets
+
+
+def test_prometheus_scrapes_every_metrics_port_compose_opens() -> None:
+    targets = prometheus_targets()
+    services = compose_services()
+    opened = 0
+    for name, service in services.items():
+        args = kinfer_args(service)
+        if args is None:
+            continue
+        port = args.port if args.command == "gateway" else getattr(args, "metrics_port", None)  # gateway: /metrics
+        if not port:
+            continue
+        if args.command != "gateway":
+            assert args.metrics_host == "0.0.0.0", name  # reachable from Prometheus's container
+        names = {name, *service.get("networks", {}).get("default", {}).get("aliases", [])}
+        assert any((host, port) in targets for host in names), (name, port)
+        opened += 1
+    assert opened >= 5
+    scraped_hosts = {host for host, _ in targets} - {"localhost"}
+    aliases = {a for s in services.values() for a in s.get("networks", {}).get("default", {}).get("aliases", [])}
+    assert scraped_hosts <= set(services) | aliases  # and nothing that does not exist
+
+
+def defined_metrics() -> dict[str, set[str]]:
+    """Every series name the code exports -> its labels, from the prometheus_client constructors in
+    the source (a Counter "x" or "x_total" is exported as x_total, a Histogram "x" as x_bucket, x_sum,
+    x_count), plus prometheus_client's default process collector (process_cpu_seconds_total, ...)."""
+    import prometheus_client
+
+    kinds = {"Counter", "Gauge", "Histogram", "Summary"}
+    out: dict[str, set[str]] = {}
+    for folder in ("topics", "producers", "consumers", "batcher", "ops"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call) or len(node.args) < 2:
+                    continue
+                kind = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                first = node.args[0]
+                if kind not in kinds or not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+                    continue
+                label_node = node.args[2] if len(node.args) > 2 else next(
+                    (k.value for k in node.keywords if k.arg == "labelnames"), None)
+                labels = {e.value for e in getattr(label_node, "elts", []) if isinstance(e, ast.Constant)}
+                name = first.value
+                if kind == "Counter":
+                    series = [name.removesuffix("_total") + "_total"]
+                elif kind == "Histogram":
+                    series = [f"{name}_bucket", f"{name}_sum", f"{name}_count"]
+                elif kind == "Summary":
+                    series = [name, f"{name}_sum", f"{name}_count"]
+                else:
+                    series = [name]
+                for s in series:
+                    out[s] = labels | ({"le"} if s.endswith("_bucket") else set())
+    for family in prometheus_client.ProcessCollector(registry=None).collect():
+        for sample in family.samples:
+            out[sample.name] = set()
+    return out
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "kinfer.json").read_text())
+    return data
+
+
+def dashboard_queries() -> list[str]:
+    board = dashboard()
+    queries = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    for variable in board["templating"]["list"]:
+        query = variable["query"]
+        queries.append(query["query"] if isinstance(query, dict) else query)
+    return queries
+
+
+def test_every_metric_the_dashboard_asks_for_is_one_the_code_defines() -> None:
+    defined = defined_metrics()
+    assert {"kinfer_results_total", "kinfer_compute_seconds_bucket", "kinfer_lag_records",
+            "kinfer_health_level", "kinfer_gateway_seconds_bucket", "process_cpu_seconds_total"} <= set(defined)
+    functions = {"sum", "max", "min", "avg", "rate", "irate", "increase", "histogram_quantile", "label_values",
+                 "by", "without", "count"}
+    for expr in dashboard_queries():
+        names = set(re.findall(r"\b([a-z_][a-z0-9_:]*)\s*[{\[]", expr))
+        names |= set(re.findall(r"\b((?:kinfer|process)_[a-z0-9_]+)\b", expr))
+        assert names and names <= set(defined), (expr, names - set(defined))
+        labels = set().union(*(defined[n] for n in names))
+        for metric, matchers in re.findall(r"\b([a-z_][a-z0-9_:]*)\{([^}]*)\}", expr):
+            for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+                assert label in defined[metric] | {"job", "instance"}, (expr, metric, label)
+        for group in re.findall(r"\bby\s*\(([^)]*)\)", expr):
+            for label in (g.strip() for g in group.split(",")):
+                assert label in labels | {"job", "instance"}, (expr, label)
+        assert not set(re.findall(r"\b([a-z_]+)\s*\(", expr)) - functions - {"by"}, expr
+
+
+def test_the_dashboard_covers_what_operators_ask_per_model() -> None:
+    queries = " ".join(dashboard_queries())
+    for metric in ("kinfer_results_total", "kinfer_queue_wait_seconds_bucket", "kinfer_compute_seconds_bucket",
+                   "kinfer_gateway_seconds_bucket", "kinfer_lag_records", "kinfer_health_level",
+                   "kinfer_predicted_compute_seconds", "kinfer_batch_size", "kinfer_padding_ratio",
+                   "kinfer_shed_total", "kinfer_compute_seconds_sum", "process_cpu_seconds_total",
+                   "kinfer_generated_tokens_total"):
+        assert metric in queries, metric
+    for quantile in ("0.5", "0.95", "0.99"):
+        assert f"histogram_quantile({quantile}," in queries
+    assert dashboard()["templating"]["list"][0]["name"] == "model"
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_its_datasource() -> None:
+    provisioning = ROOT / "ops" / "grafana" / "provisioning"
+    source = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    board = dashboard()
+    uids = {p["datasource"]["uid"] for p in board["panels"] if "datasource" in p}
+    uids |= {v["datasource"]["uid"] for v in board["templating"]["list"]}
+    assert uids == {source["uid"]}
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    provider = yaml.safe_load((provisioning / "dashboards" / "kinfer.yml").read_text())["providers"][0]
+    grafana = compose_services()["grafana"]
+    volumes = mounts(grafana)
+    assert volumes["./ops/grafana/dashboards"] == (provider["options"]["path"], True)
+    assert volumes["./ops/grafana/provisioning"] == ("/etc/grafana/provisioning", True)
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/kinfer.json"
+    prometheus = compose_services()["prometheus"]
+    assert mounts(prometheus)["./ops/prometheus/prometheus.yml"] == ("/etc/prometheus/prometheus.yml", True)
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
