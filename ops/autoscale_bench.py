@@ -15,8 +15,9 @@ counts until it exits), ``p95_ms``/``p99_ms`` of every request answered ok (from
 send), ``sla_ok_fraction`` (requests outside the first scale-up answered ok within 250 ms: the P99
 bound), ``lost`` (no answer at all by the deadline), ``scale_up_s`` (from the step until the
 replicas reached the episode's peak and the predicted wait was back under 100 ms; the requests
-of that span are the ones ``sla_ok_fraction`` leaves out). A PNG shows arrivals, lag, predicted
-wait and replicas over time for both runs.
+of that span are the ones ``sla_ok_fraction`` leaves out); ``timeline``: the lag monitor's view
+every half second (arrivals, lag, predicted wait) and the workers alive, as columns.
+``ops.plots.plot_autoscale`` draws them, both runs, from the report (``--plot``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from ops.autoscaler import AutoscaleLoop, LocalPool
-from ops.lagmon import LagMonitor, offset_clients
+from ops.lagmon import LagMonitor
 from ops.load import fire, percentile
 from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
 from ops.scaling import ScalePolicy
 from ops.stack import LocalStack, StackInfo
 from producers import Client
 from topics import DeadlineExceeded, KinferError
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from topics.admin import ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
 from topics.connect import kafka_options
 from topics.names import request_topics
 
@@ -107,8 +108,8 @@ class Run:
 def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, policy: ScalePolicy | None = None,
                     deadline_ms: int = 30_000, seed: int = 7, compare: bool = True, plot: str | None = None,
                     info: StackInfo | None = None, partitions: int = 4) -> dict[str, Any]:
-    """Runs on ``info`` when given (the caller's Kafka and Redis), else on the local stack; the PNG goes
-    to ``plot`` (default: the local stack's home, else the current directory)."""
+    """Runs on ``info`` when given (the caller's Kafka and Redis), else on the local stack; with
+    ``plot``, draws the report into that PNG (``report["plot"]``)."""
     trace = trace or Trace()
     policy = policy or ScalePolicy(min_replicas=1, max_replicas=partitions, up_cooldown_s=5.0, down_cooldown_s=10.0,
                                    down_window_s=20.0, drain_s=5.0)
@@ -131,21 +132,21 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
                 "trace": asdict(trace), "policy": asdict(policy), "deadline_ms": deadline_ms, "sla_ms": SLA_MS,
             }
             log_dir = Path(info.home) if Path(info.home).is_dir() else None  # an external stack has none
-            auto_run, auto, loop = asyncio.run(_autoscaled(info, models[0], trace, policy, worker_args, deadline_ms,
-                                                           seed, log_dir))
+            _, auto, loop = asyncio.run(_autoscaled(info, models[0], trace, policy, worker_args, deadline_ms,
+                                                    seed, log_dir))
             report["autoscaled"] = auto
             per = loop.scaler.replica_rps or 1000.0 / per_input_ms
             report["replica_rps_measured"] = round(per, 1)
-            runs = {"autoscaled": auto_run}
             if compare:
                 static_n = min(partitions, math.ceil(trace.peak_rps / (per * policy.target_utilisation)))
-                static_run, static = asyncio.run(_static(info, models[1], trace, static_n, worker_args,
-                                                         deadline_ms, seed))
+                _, static = asyncio.run(_static(info, models[1], trace, static_n, worker_args,
+                                                deadline_ms, seed))
                 report["static_peak"] = {**static, "replicas": static_n}
-                runs["static_peak"] = static_run
                 report["worker_seconds_ratio"] = round(auto["worker_seconds"] / static["worker_seconds"], 3)
-            default_plot = os.path.join(str(log_dir), "bench-autoscale.png") if log_dir else "bench-autoscale.png"
-            report["plot"] = _plot(runs, trace, plot or default_plot)
+            if plot:
+                from ops.plots import plot_autoscale
+
+                report["plot"] = plot_autoscale(report, plot)
             return report
         finally:
             stop_process(telemetry)
@@ -263,7 +264,20 @@ def _summarize(run: Run, trace: Trace, scale_up: bool) -> dict[str, Any]:
         "lost": kinds.get("lost", 0),
         "scale_up_s": round(end - trace.quiet_s, 1) if scale_up and end is not None else None,
         "peak_lag": max((s["lag"] for s in samples), default=0),
+        "timeline": _timeline(run.samples),
     }
+
+
+def _timeline(samples: list[dict[str, float]]) -> dict[str, list[float | None]]:
+    """The samples as columns (half the size of a list of objects), rounded; what ``plot_autoscale`` draws."""
+    digits = {"t": 2, "arrival_rps": 1, "lag": 0, "wait_ms": 1, "replicas": 0}
+    return {key: [_round(s[key], n) for s in samples] for key, n in digits.items()}
+
+
+def _round(value: float, digits: int) -> float | None:
+    if not math.isfinite(value):
+        return None  # the report is strict JSON
+    return int(value) if digits == 0 else round(value, digits)
 
 
 def _scale_up_end(samples: list[dict[str, float]], trace: Trace) -> float | None:
@@ -276,35 +290,6 @@ def _scale_up_end(samples: list[dict[str, float]], trace: Trace) -> float | None
     if reached is None:
         return None
     return next((s["t"] for s in episode if s["t"] >= reached and s["wait_ms"] <= RECOVERED_WAIT_MS), None)
-
-
-def _plot(runs: dict[str, Run], trace: Trace, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
-    for name, run in runs.items():
-        t = [s["t"] for s in run.samples]
-        axes[0].plot(t, [s["arrival_rps"] for s in run.samples], label=name)
-        axes[1].plot(t, [s["lag"] for s in run.samples], label=name)
-        axes[2].plot(t, [s["wait_ms"] for s in run.samples], label=name)
-        axes[3].step(t, [s["replicas"] for s in run.samples], where="post", label=name)
-    grid = [i * 0.5 for i in range(int(trace.duration_s * 2) + 1)]
-    axes[0].plot(grid, [trace.rate_at(x) for x in grid], "k:", label="offered (trace)")
-    for ax, label in zip(axes, ("arrivals /s", "lag (records)", "predicted wait (ms)", "workers alive"), strict=True):
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper right")
-    axes[2].set_yscale("symlog", linthresh=100)
-    axes[3].set_xlabel("seconds into the trace")
-    fig.suptitle("kinfer bench autoscale: lag-driven autoscaling vs static peak provisioning")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 def _ms(value: float) -> float | None:

@@ -16,13 +16,16 @@ deadline. Once with the lag monitor running and clients obeying it, once with bo
 - ``deadline_misses``: accepted requests not served by their deadline;
 - ``reject_p99_ms``: how long a refused caller waited to be told;
 - ``recovery_s``: from the end of the surge until the lag is down to what the worker clears in
-  100 ms; ``lag_zero_s``: until it is first zero (sampled every 100 ms).
+  100 ms; ``lag_zero_s``: until it is first zero (sampled every 100 ms);
+- ``timeline``: per half second from the start of the surge, what was offered, refused, served in
+  time and missed, and the lag (``ops.plots.plot_overload`` draws it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import random
 import subprocess
@@ -32,13 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ops.lagmon import offset_clients, read_offsets
 from ops.load import fire, percentile
 from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
 from ops.stack import LocalStack, StackInfo
 from producers import Client
 from topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from topics.admin import ensure_topics, model_topic_specs, offset_clients, read_offsets, shared_topic_specs
 from topics.health import Level
 
 MODEL = "bench-overload"
@@ -53,6 +55,7 @@ class Outcome:
     kind: str  # ok, rejected, shed, expired, unanswered, or an error class name
     latency_ms: float  # from the scheduled send
     call_ms: float  # from the actual call (what a refused caller waited)
+    at_s: float = 0.0  # the scheduled send, seconds from the start of the surge
 
 
 def bench_overload(
@@ -224,7 +227,8 @@ async def _run(
                 except KinferError as exc:
                     kind = type(exc).__name__
                 end = time.monotonic()
-                outcomes.append(Outcome(phase, priority, kind, (end - scheduled) * 1000.0, (end - called) * 1000.0))
+                outcomes.append(Outcome(phase, priority, kind, (end - scheduled) * 1000.0, (end - called) * 1000.0,
+                                        scheduled - t0))
 
             rng = random.Random(seed)
             t0 = time.monotonic() + 0.2
@@ -239,7 +243,33 @@ async def _run(
         await sampler
         if monitor is not None:
             stop_process(monitor)
-    return _summarize(outcomes, lags, t0 + surge_s, late, deadline_ms, capacity)
+    summary = _summarize(outcomes, lags, t0 + surge_s, late, deadline_ms, capacity)
+    summary["timeline"] = _timeline(outcomes, [(t - t0, lag) for t, lag in lags], deadline_ms)
+    return summary
+
+
+def _timeline(outcomes: list[Outcome], lags: list[tuple[float, int]], deadline_ms: int,
+              bucket_s: float = 0.5) -> dict[str, Any]:
+    """Per ``bucket_s`` of scheduled sends from the start of the surge: requests offered, refused at
+    admission, served in time, and accepted but missed (the three add up to offered); the highest
+    lag sampled in the bucket (``lags`` in seconds from the same start). ``plot_overload`` draws it."""
+    end = max([o.at_s for o in outcomes] + [t for t, _ in lags] + [0.0])
+    n = math.floor(end / bucket_s) + 1
+    columns: dict[str, list[int]] = {k: [0] * n for k in ("offered", "rejected", "served_in_time", "missed", "lag")}
+    for o in outcomes:
+        i = min(n - 1, max(0, math.floor(o.at_s / bucket_s)))
+        columns["offered"][i] += 1
+        if o.kind == "rejected":
+            columns["rejected"][i] += 1
+        elif o.kind != "ok" or o.latency_ms > deadline_ms:  # as _summarize counts a deadline miss
+            columns["missed"][i] += 1
+        else:
+            columns["served_in_time"][i] += 1
+    for t, lag in lags:
+        if t >= 0:
+            i = min(n - 1, math.floor(t / bucket_s))
+            columns["lag"][i] = max(columns["lag"][i], lag)
+    return {"bucket_s": bucket_s, "t_s": [round(i * bucket_s, 3) for i in range(n)], **columns}
 
 
 def _summarize(
