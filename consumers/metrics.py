@@ -62,3 +62,11 @@ SPEC_PROPOSED = Counter(
 SPEC_ACCEPTED = Counter(
     "kinfer_spec_accepted_tokens_total", "Draft tokens the model agreed with; accepted/proposed is the rate", ["model"]
 )
+MODEL_BYTES = Gauge("kinfer_model_bytes", "Device memory of a model's weights (measured once loaded)", ["model"])
+MODEL_TIER = Gauge(
+    "kinfer_model_resident", "1 for the tier a model's weights are in (device, host, disk)", ["model", "tier"]
+)
+SWAP_IN = Histogram(
+    "kinfer_swap_in_seconds", "Swap-in to serving: weights loaded, warm-up passes, group joined", ["model", "source"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0),
+)

@@ -83,6 +83,12 @@ class Observer:
     def cancelled(self, model: str) -> None:
         """A streaming client went away and its sequence was dropped."""
 
+    def resident(self, model: str, tier: str, footprint_bytes: int) -> None:
+        """Where the model's weights are now (device, host, disk) and how much device memory they take."""
+
+    def swapped_in(self, model: str, source: str, seconds: float) -> None:
+        """The model came to the device from ``source`` (host, disk) and is serving, ``seconds`` later."""
+
 
 class Observers(Observer):
     """Every fact to every sink that takes it (a sink that leaves a fact as the no-op is skipped)."""

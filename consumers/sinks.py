@@ -9,6 +9,7 @@ from consumers import metrics
 from consumers.observer import BatchFacts, Observer, StepFacts
 from consumers.telemetry import StatsReporter
 from topics import Priority, Status
+from topics.residency import TIERS
 
 
 class PrometheusSink(Observer):
@@ -71,6 +72,14 @@ class PrometheusSink(Observer):
 
     def cancelled(self, model: str) -> None:
         self._child(metrics.GEN_CANCELLED, model).inc()
+
+    def resident(self, model: str, tier: str, footprint_bytes: int) -> None:
+        self._child(metrics.MODEL_BYTES, model).set(footprint_bytes)
+        for name in TIERS:
+            self._child(metrics.MODEL_TIER, model, name).set(int(name == tier))
+
+    def swapped_in(self, model: str, source: str, seconds: float) -> None:
+        self._child(metrics.SWAP_IN, model, source).observe(seconds)
 
 
 class StatsSink(Observer):

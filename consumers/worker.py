@@ -29,7 +29,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,23 +37,28 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from prometheus_client import start_http_server
+from redis.exceptions import RedisError
 
 from batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
+from batcher.residency import Demand, Residency, ResidencyPolicy, Tier
 from consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
 from consumers.observer import Observers
 from consumers.offsets import OffsetTracker
 from consumers.replies import Delivery, ReplySink
 from consumers.runners import ModelSpec, Runner, build_runner
 from consumers.runners.base import default_executors, pick_device, set_threads
+from consumers.runners.registry import GIB, estimate_footprint
 from consumers.sinks import PrometheusSink, StatsSink
 from consumers.telemetry import StatsReporter
 from topics import (
     DEFAULT_LIMITS,
     InvalidRequest,
     Limits,
+    MalformedRecord,
     Priority,
     Result,
     Status,
@@ -61,11 +66,14 @@ from topics import (
     decode_request,
     now_ms,
 )
+from topics.admin import group_members, offset_clients, read_offsets
 from topics.auth import verifier_from_env
 from topics.backoff import Backoff
 from topics.connect import kafka_options
 from topics.envelope import salvage_route
 from topics.names import CANCEL_CHANNEL, consumer_group, parse_request_topic, request_topics
+from topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY, ModelResidency, WorkerResidency
+from topics.residency import Demand as DemandNote
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +123,13 @@ class WorkerSettings:
     # may not ask for better than its ceiling. Requests must be signed whenever the process has
     # signing secrets (KINFER_SIGNING_SECRET); a registry without them is refused at start.
     tenants: str | None = None
+    # Residency (``batcher.residency``): with a budget, the models that do not fit are registered, not
+    # resident — swapped in when their records wait, the least valuable idle one out to make room.
+    memory_budget: float | None = None  # GiB of device memory for weights; None: every model resident
+    host_memory_budget: float = 0.0  # GiB of host RAM for weights swapped off the device (0: to disk)
+    keep_warm: int = 0  # never swap out a model that has this many warm replicas or fewer, this one included
+    swap_quantum_s: float = 10.0  # a model with work keeps the device this long before a waiting one may take it
+    residency_interval_s: float = 0.5  # how often the worker looks at its cold models' lag
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     def __post_init__(self) -> None:
@@ -138,6 +153,10 @@ class WorkerSettings:
             raise ValueError("executors > 1 is for one-shot models: a generator's running batch is one")
         if self.commit_interval_ms < 0:
             raise ValueError(f"commit_interval_ms must be >= 0, got {self.commit_interval_ms}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be > 0 GiB, got {self.memory_budget}")
+        if self.host_memory_budget < 0 or self.keep_warm < 0 or self.swap_quantum_s < 0:
+            raise ValueError("host_memory_budget, keep_warm and swap_quantum_s must be >= 0")
         unknown = set(self.weights) - set(names)
         if unknown:
             raise ValueError(f"weights for models this worker does not host: {sorted(unknown)}")
@@ -162,10 +181,21 @@ class _Feed:
     """The I/O side of one hosted model: where its requests come from and how far they are done."""
 
     core: EngineCore
-    consumer: AIOKafkaConsumer | None = None
+    consumer: AIOKafkaConsumer | None = None  # set while the worker is a member of the model's group
     tracker: OffsetTracker[TopicPartition] = field(default_factory=OffsetTracker)
     held: set[Priority] = field(default_factory=set)  # priorities whose partitions are paused
     priority_of: dict[TopicPartition, Priority] = field(default_factory=dict)
+    tier: Tier = Tier.DISK  # where its weights are; only a DEVICE model is in its group
+    loading: bool = False  # a swap-in is running
+    draining: bool = False  # fetch nothing more: its place on the device is wanted
+    leaving: bool = False  # the fetch loop ends: swap-out under way
+    fetching: asyncio.Task[None] | None = None
+    assigned: asyncio.Event = field(default_factory=asyncio.Event)  # partitions came with the last join
+    swap_in_ms: dict[str, float] = field(default_factory=dict)  # last measured, by source tier
+
+    def busy(self) -> bool:
+        """Requests of it in this process: buffered, running, or replies not yet out."""
+        return self.core.has_work() or self.core.buffered() > 0 or self.tracker.in_flight() > 0
 
     @property
     def name(self) -> str:
@@ -200,6 +230,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()  # something changed for the dispatch loop
         self._commit_wake = asyncio.Event()  # some reply went out
+        self._settled = asyncio.Event()  # some request is done (replied): a draining model may be idle now
         self._drained = asyncio.Event()  # dispatch and publishing are over; final commit
         self._ready_logged = False
         self._computing: dict[asyncio.Task[None], float] = {}  # running work -> when it is predicted to end
@@ -207,6 +238,16 @@ class Worker:
         self._tg: asyncio.TaskGroup | None = None
         self._verifier = verifier_from_env(settings.tenants)
         self._sink: ReplySink | None = None
+        self.residency: Residency | None = None
+        if settings.memory_budget is not None:
+            self.residency = Residency(ResidencyPolicy(
+                device_budget=int(settings.memory_budget * GIB), host_budget=int(settings.host_memory_budget * GIB),
+                quantum_s=settings.swap_quantum_s, keep_warm=settings.keep_warm))
+            for spec in settings.models:
+                self.residency.register(spec.name, estimate_footprint(spec), settings.weights.get(spec.name, 1.0))
+        # Swaps load weights here, beside the model calls (on a GPU a copy overlaps other models' compute).
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kinfer-load")
+        self._demanded: set[str] = set()  # cold models producers asked for (kinfer:demand) since the last plan
 
     def stop(self) -> None:
         """Graceful stop: stop fetching, finish buffered work, reply, commit, leave the groups."""
@@ -217,15 +258,24 @@ class Worker:
 
     async def run(self) -> None:
         s = self.settings
-        loop = asyncio.get_running_loop()
         threads = set_threads(s.threads, s.workers_per_host)
         if threads is not None:
             log.info("torch uses %d intra-op thread(s) a call, %d call(s) at once", threads, self.executors)
-        for feed in self.feeds.values():
-            runner = feed.core.runner
-            log.info("loading model %s (%s) on %s", feed.name, feed.core.spec.family, runner.device)
-            await loop.run_in_executor(self._executor, runner.load)
-            await loop.run_in_executor(self._executor, runner.warmup)
+        if self.residency is None:
+            for feed in self.feeds.values():
+                await self._swap_in(feed, Tier.DISK, join=False)
+        else:
+            for move in self.residency.initial(time.monotonic()):
+                feed = self.feeds[move.model]
+                if move.to == Tier.DEVICE:
+                    await self._swap_in(feed, Tier.DISK, join=False)
+                else:  # weights in host RAM, ready to be copied in when wanted
+                    await self._load(feed, self._runner_call(feed, "load"))
+                    await self._load(feed, self._runner_call(feed, "offload"))
+                    feed.tier = Tier.HOST
+            cold = [name for name, feed in self.feeds.items() if feed.tier != Tier.DEVICE]
+            log.info("memory budget %.2f GiB: resident %s; registered, not resident: %s", s.memory_budget,
+                     ", ".join(n for n in self.feeds if n not in cold) or "none", ", ".join(cold) or "none")
         if s.metrics_port is not None:
             start_http_server(s.metrics_port, addr=s.metrics_host)
         # Everything loaded so far (torch, the model, the tokenizer: ~200k objects) lives as long as
@@ -236,45 +286,196 @@ class Worker:
 
         producer = AIOKafkaProducer(**kafka_options(s.bootstrap), acks="all", enable_idempotence=True, linger_ms=1)
         redis = aioredis.Redis.from_url(s.redis_url)
-        for feed in self.feeds.values():
-            feed.consumer = AIOKafkaConsumer(
-                **kafka_options(s.bootstrap),
-                group_id=consumer_group(feed.name),
-                group_instance_id=s.instance_id,
-                client_id=f"kinfer-worker-{s.worker_id}",
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                session_timeout_ms=s.session_timeout_ms,
-                heartbeat_interval_ms=s.heartbeat_interval_ms,
-                max_poll_interval_ms=s.max_poll_interval_ms,
-                fetch_max_wait_ms=s.fetch_max_wait_ms,
-            )
         try:
             await producer.start()
-            for feed in self.feeds.values():
-                assert feed.consumer is not None
-                await feed.consumer.start()
-                feed.consumer.subscribe(request_topics(feed.name), listener=_Rebalance(self, feed))
             self._sink = ReplySink(producer, redis)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 for feed in self.feeds.values():
-                    tg.create_task(self._fetch_loop(feed))
+                    if feed.tier == Tier.DEVICE:
+                        await self._join(feed)
                 tg.create_task(self._dispatch_loop())
                 tg.create_task(self._commit_loop())
                 tg.create_task(self.stats.run(producer, self._drained))
+                tg.create_task(self._report_loop(redis))
                 if any(feed.core.cancellable for feed in self.feeds.values()):
                     tg.create_task(self._cancel_loop(redis))
+                if self.residency is not None:
+                    tg.create_task(self._residency_loop())
+                    tg.create_task(self._demand_loop(redis))
         finally:
             for feed in self.feeds.values():
-                if feed.consumer is not None:
-                    with contextlib.suppress(KafkaError):
-                        _leave_on_stop(feed.consumer)
-                        await feed.consumer.stop()  # leaves the group, so partitions move at once
+                await self._stop_consumer(feed)
             await producer.stop()
             await redis.aclose()
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._loader.shutdown(wait=False, cancel_futures=True)
             log.info("worker %s stopped", s.worker_id)
+
+    # -- residency: joining and leaving a model's group ------------------------------------
+
+    async def _join(self, feed: _Feed) -> None:
+        """Become a member of the model's consumer group (the model is warm) and start fetching."""
+        s = self.settings
+        consumer = AIOKafkaConsumer(
+            **kafka_options(s.bootstrap),
+            group_id=consumer_group(feed.name),
+            group_instance_id=s.instance_id,
+            client_id=f"kinfer-worker-{s.worker_id}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=s.session_timeout_ms,
+            heartbeat_interval_ms=s.heartbeat_interval_ms,
+            max_poll_interval_ms=s.max_poll_interval_ms,
+            fetch_max_wait_ms=s.fetch_max_wait_ms,
+        )
+        await consumer.start()
+        feed.assigned.clear()
+        consumer.subscribe(request_topics(feed.name), listener=_Rebalance(self, feed))
+        feed.consumer = consumer
+        feed.fetching = self._spawn(self._fetch_loop(feed))
+
+    async def _leave(self, feed: _Feed) -> None:
+        """Swap-out's first half: fetch nothing more, finish and answer what is here, commit, leave."""
+        feed.draining = feed.leaving = True
+        if feed.fetching is not None:
+            await feed.fetching
+        self._wake.set()
+        while feed.busy() and not self._drained.is_set():
+            self._settled.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), 1.0)
+        await self._commit(feed)
+        await self._stop_consumer(feed)
+        feed.tracker = OffsetTracker()
+        feed.held, feed.draining, feed.leaving, feed.fetching = set(), False, False, None
+
+    async def _stop_consumer(self, feed: _Feed) -> None:
+        consumer, feed.consumer = feed.consumer, None
+        if consumer is not None:
+            with contextlib.suppress(KafkaError):
+                _leave_on_stop(consumer)
+                await consumer.stop()  # leaves the group, so partitions move at once
+
+    async def _swap_in(self, feed: _Feed, source: Tier, join: bool = True) -> None:
+        """Weights to the device (from host RAM or disk), warm-up passes, then join the group: no record
+        of the model is fetched before it can be served. The time to the first assignment is reported."""
+        started = time.monotonic()
+        feed.loading = True
+        try:
+            log.info("%s: loading from %s (%s)", feed.name, source.name.lower(), feed.core.spec.family)
+            await self._load(feed, self._runner_call(feed, "restore" if source == Tier.HOST else "load"))
+            await self._load(feed, feed.core.runner.warmup)
+            if self.residency is not None:
+                self.residency.resize(feed.name, feed.core.runner.footprint_bytes())
+            feed.tier = Tier.DEVICE
+            if join:
+                await self._join(feed)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(feed.assigned.wait(), self.settings.session_timeout_ms / 1000.0 * 2)
+        finally:
+            feed.loading = False
+        took_ms = 1000.0 * (time.monotonic() - started)
+        feed.swap_in_ms[source.name.lower()] = round(took_ms, 1)
+        self.observer.swapped_in(feed.name, source.name.lower(), took_ms / 1000.0)
+        log.info("%s: warm in %.0f ms from %s", feed.name, took_ms, source.name.lower())
+
+    async def _swap_out(self, feed: _Feed, to: Tier) -> None:
+        if feed.tier == Tier.DEVICE:
+            await self._leave(feed)
+            log.info("%s: swapped out to %s", feed.name, to.name.lower())
+        await self._load(feed, self._runner_call(feed, "offload" if to == Tier.HOST else "unload"))
+        feed.tier = to
+
+    def _runner_call(self, feed: _Feed, name: str) -> Callable[[], None]:
+        call: Callable[[], None] = getattr(feed.core.runner, name)
+        return call
+
+    async def _load(self, feed: _Feed, call: Callable[[], None]) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._loader, call)
+
+    async def _residency_loop(self) -> None:
+        """Under a budget: every ``residency_interval_s``, what waits where → the policy → swaps, one at a time."""
+        assert self.residency is not None
+        s = self.settings
+        async with offset_clients(s.bootstrap) as (admin, consumer):
+            while not self._stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), s.residency_interval_s)
+                if self._stopping.is_set():
+                    break
+                try:
+                    seen = await self._demand(admin, consumer)
+                except (KafkaError, OSError) as exc:
+                    log.warning("residency: reading lag failed, retrying: %s", exc)
+                    continue
+                plan = self.residency.plan(time.monotonic(), seen)
+                for name, feed in self.feeds.items():
+                    if name in plan.drain and not feed.draining:
+                        log.info("%s: draining (held the device a quantum; another model waits)", name)
+                    feed.draining = name in plan.drain or feed.leaving
+                for name in plan.unservable:
+                    log.warning("%s: larger than the memory budget, cannot be served here", name)
+                for move in plan.moves:
+                    if self._stopping.is_set():
+                        break
+                    feed = self.feeds[move.model]
+                    if move.to == Tier.DEVICE:
+                        await self._swap_in(feed, move.source)
+                    else:
+                        await self._swap_out(feed, move.to)
+
+    async def _demand(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer) -> dict[str, Demand]:
+        """Per model: its records waiting in Kafka, whether this process holds any, its warm replicas."""
+        replicas: dict[str, int] = {}
+        if self.settings.keep_warm:
+            members = await group_members(admin, [consumer_group(name) for name in self.feeds])
+            replicas = {name: members.get(consumer_group(name), 0) for name in self.feeds}
+        demanded, self._demanded = self._demanded, set()
+        seen = {}
+        for name, feed in self.feeds.items():
+            offsets = await read_offsets(admin, consumer, name)
+            waiting = sum(offsets.lag) if offsets is not None else 0
+            if name in demanded:
+                waiting = max(waiting, 1)
+            seen[name] = Demand(waiting, feed.busy(), replicas.get(name, 0))
+        return seen
+
+    async def _demand_loop(self, redis: aioredis.Redis) -> None:
+        """Producers that refused a request for a cold model say so here: a reason to swap it in."""
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(DEMAND_CHANNEL)
+        try:
+            while not self._drained.is_set():
+                msg = await pubsub.get_message(timeout=0.5)
+                if msg is None or msg.get("type") != "message":
+                    continue
+                with contextlib.suppress(MalformedRecord):
+                    model = DemandNote.unpack(msg["data"]).model
+                    if model in self.feeds and self.feeds[model].tier != Tier.DEVICE:
+                        self._demanded.add(model)
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _report_loop(self, redis: aioredis.Redis) -> None:
+        """Where this worker's weights are, every couple of seconds (``kinfer:residency``), for the lag
+        monitor's cold-start estimates and ``kinfer status``."""
+        budget = int((self.settings.memory_budget or 0) * GIB)
+        while not self._drained.is_set():
+            models = []
+            for name, feed in self.feeds.items():
+                tier = feed.tier.name.lower()
+                footprint = self.residency.footprint(name) if self.residency else feed.core.runner.footprint_bytes()
+                shown = "loading" if feed.loading else tier
+                models.append(ModelResidency(name, shown, footprint, dict(feed.swap_in_ms)))
+                self.observer.resident(name, tier, footprint)
+            report = WorkerResidency(self.settings.worker_id, now_ms(), budget, models)
+            with contextlib.suppress(RedisError, OSError):
+                await redis.hset(RESIDENCY_KEY, self.settings.worker_id, report.pack())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), 2.0)
+        with contextlib.suppress(RedisError, OSError):
+            await redis.hdel(RESIDENCY_KEY, self.settings.worker_id)
 
     # -- fetch -------------------------------------------------------------------------------
 
@@ -282,10 +483,14 @@ class Worker:
         consumer = feed.consumer
         assert consumer is not None
         backoff = Backoff()
-        while not self._stopping.is_set():
+        cap = self.settings.max_buffered_inputs
+        while not self._stopping.is_set() and not feed.leaving:
             self._flow_control(feed, consumer)
+            # No more than the buffer has room for: a burst fetched whole would overshoot the bound by a
+            # whole fetch, and a model asked to give up the device would first have to finish all of it.
+            room = max(1, min(cap - feed.core.buffered(), self.settings.fetch_max_records))
             try:
-                data = await consumer.getmany(timeout_ms=100, max_records=self.settings.fetch_max_records)
+                data = await consumer.getmany(timeout_ms=100, max_records=room)
                 backoff.reset()
             except KafkaError as exc:
                 log.warning("%s: fetch failed, retrying: %s", feed.name, exc)
@@ -301,11 +506,14 @@ class Worker:
                 for record in records:
                     feed.tracker.track(tp, record.offset)
                     self._intake(feed, tp, priority, record, now, wall)
+                if self.residency is not None:
+                    self.residency.touch(feed.name, now, len(records))
             self.observer.buffered(feed.name, feed.core.buffered())
             self._wake.set()
 
     def _log_ready(self) -> None:
-        if all(feed.consumer and feed.consumer.assignment() for feed in self.feeds.values()):
+        warm = [feed for feed in self.feeds.values() if feed.tier == Tier.DEVICE]
+        if all(feed.consumer and feed.consumer.assignment() for feed in warm):
             self._ready_logged = True
             log.info("worker %s ready: %s", self.settings.worker_id, ", ".join(self.feeds))
 
@@ -345,7 +553,7 @@ class Worker:
         buffered = feed.core.buffered()
         held = set(feed.held)
         for prio, share in _BUFFER_SHARE.items():
-            if buffered >= share * cap:
+            if buffered >= share * cap or feed.draining:  # draining: its place on the device is wanted
                 held.add(prio)
             elif buffered <= share * cap - cap / 8:
                 held.discard(prio)
@@ -382,6 +590,7 @@ class Worker:
                 await asyncio.wait_for(self._sink.publish([Delivery(route, result, key=key)]), 5.0)
         feed.tracker.done(tp, offset)
         self._commit_wake.set()
+        self._settled.set()
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -496,6 +705,7 @@ class Worker:
                 done[o.job.request.priority, o.message.status or Status.OK] += 1
         self.observer.replied(feed.name, done)
         self._commit_wake.set()
+        self._settled.set()
 
     async def _cancel_loop(self, redis: aioredis.Redis) -> None:
         """Streams whose client went away: free their slot at the next step (best effort)."""
@@ -574,6 +784,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("%s: assigned %d partitions", self._feed.name, len(assigned))
+        self._feed.assigned.set()
 
 
 __all__ = ["Worker", "WorkerSettings"]

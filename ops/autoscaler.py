@@ -42,7 +42,7 @@ from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
 from ops.health import HealthPolicy
-from ops.lagmon import LagMonitor, offset_clients
+from ops.lagmon import LagMonitor
 from ops.procs import spawn_worker
 from ops.scaling import (
     SCALE_DECISIONS_KEPT,
@@ -56,6 +56,7 @@ from ops.scaling import (
 )
 from ops.stack import StackInfo
 from topics import now_ms
+from topics.admin import offset_clients
 from topics.names import consumer_group
 
 log = logging.getLogger(__name__)

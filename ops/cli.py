@@ -124,6 +124,11 @@ WORKER_FLAGS = {
     "metrics_host": "address the metrics endpoint binds (0.0.0.0 in a container)",
     "tenants": "tenants file (the gateway's): refuse requests of unlisted tenants or above their priority "
                "ceiling (needs KINFER_SIGNING_SECRET, with which every request must be signed)",
+    "memory_budget": "GiB of device memory for weights: models beyond it are registered, swapped in when their "
+                     "records wait (default: every model resident)",
+    "host_memory_budget": "GiB of host RAM for weights swapped off the device (0: they go back to disk)",
+    "keep_warm": "never swap out a model with this many warm replicas or fewer in the fleet, this worker included",
+    "swap_quantum_s": "a model with work keeps the device this long before a waiting one may take its place",
 }
 
 
@@ -290,6 +295,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     busy, spare = args.max_utilisation, args.spare_gpus
     print(f"  total: {report['total_gpus']} GPUs (at most {busy:.0%} busy, plus {spare} spare)")
     return 0
+
+
+def cmd_place(args: argparse.Namespace) -> int:
+    from ops.place import Fleet, load_models, place, render_k8s, render_table
+
+    fleet = Fleet(gpus=args.gpus, gpu_memory_gib=args.gpu_memory, target_utilisation=args.target_utilisation,
+                  dedicated_threshold=args.dedicated_threshold, keep_warm=args.keep_warm,
+                  memory_headroom=args.memory_headroom, spare_replicas=args.spare_replicas)
+    placement = place(load_models(args.models), fleet)  # a bad file or setting: ValueError, exit 2 in main
+    if args.json:
+        print(json.dumps(placement.to_dict()))
+    elif not placement.feasible:
+        print(f"kinfer place: {render_table(placement)}", file=sys.stderr)
+    elif args.emit == "k8s":
+        print(render_k8s(placement), end="")
+    else:
+        print(render_table(placement))
+    return 0 if placement.feasible else 1
 
 
 async def _reachable(bootstrap: str, redis_url: str) -> None:
@@ -465,7 +488,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         trace = Trace(quiet_rps=args.quiet_rps, step=args.step, quiet_s=args.quiet_s, peak_s=args.peak_s,
                       ramp_s=args.ramp_s, tail_s=args.tail_s)
-        report = bench_autoscale(trace, per_input_ms=args.per_input_ms, plot=args.plot)
+        report = bench_autoscale(trace, per_input_ms=args.per_input_ms)
     elif args.bench == "overload":
         from ops.overload import bench_overload
 
@@ -477,7 +500,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
             seconds_per_step=args.seconds_per_step, steps=args.steps, policies=args.policy, model=args.model,
             hi_rps=args.max_rps,
         )
+    drawn = _plot_report(report, args.plot, args.bench) if args.plot is not None else True
     print(json.dumps(report, indent=None if args.json else 2, allow_nan=False))
+    return 0 if drawn else 2
+
+
+def _plot_report(report: dict[str, Any], path: str, name: str) -> bool:
+    """``--plot [PNG]``: draws the report (``report["plot"]`` says where); a picture that fails is
+    told on stderr, and the report is printed all the same (it cost minutes to measure)."""
+    from ops.plots import default_plot_path, plot_report
+
+    try:
+        report["plot"] = plot_report(report, path or default_plot_path(None, name))
+    except Exception as exc:
+        print(f"kinfer bench {name}: the plot failed ({type(exc).__name__}: {exc}); the report follows",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_bench_plot(args: argparse.Namespace) -> int:
+    """``kinfer bench plot REPORT.json [--out PNG]``: draws a saved report, of any benchmark."""
+    from ops.plots import UnknownReport, default_plot_path, plot_report
+
+    path = Path(args.report)
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    try:
+        print(plot_report(report, args.out or default_plot_path(path, "")))
+    except UnknownReport as exc:
+        raise ValueError(f"{path}: {exc}") from exc
     return 0
 
 
@@ -582,6 +636,31 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--spare-gpus", type=int, default=1, help="N+1 [1]")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
+
+    from ops.place import Fleet
+
+    pc = sub.add_parser("place", help="placement: dedicated pools for hot models, the long tail co-located on the rest")
+    pc.add_argument("--models", required=True,
+                    help="JSON/YAML: [{name, footprint_gib, replica_rps, expected_rps, family?, path?, keep_warm?}] "
+                         "(see ops/models.example.yaml)")
+    pc.add_argument("--gpus", type=int, required=True, help="GPUs to place on")
+    pc.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="device memory of one GPU")
+    pc.add_argument("--target-utilisation", "--max-utilisation", type=float,
+                    default=_default(Fleet, "target_utilisation"),
+                    help="busy share per GPU that keeps the P99 in bounds [%(default)s]")
+    pc.add_argument("--dedicated-threshold", type=float, default=_default(Fleet, "dedicated_threshold"),
+                    help="GPUs of compute (at the target utilisation) from which a model gets its own pool "
+                         "[%(default)s]")
+    pc.add_argument("--keep-warm", type=int, default=_default(Fleet, "keep_warm"),
+                    help="warm replicas of every model at least (a model's keep_warm overrides) [%(default)s]")
+    pc.add_argument("--memory-headroom", type=float, default=_default(Fleet, "memory_headroom"),
+                    help="share of GPU memory left free (context, allocator, activations) [%(default)s]")
+    pc.add_argument("--spare-replicas", type=int, default=_default(Fleet, "spare_replicas"),
+                    help="extra replicas per dedicated pool (1: N+1) [%(default)s]")
+    pc_out = pc.add_mutually_exclusive_group()
+    pc_out.add_argument("--json", action="store_true", help="one JSON object")
+    pc_out.add_argument("--emit", choices=["k8s"], help="print Kubernetes Deployments for the pools")
+    pc.set_defaults(func=cmd_place)
 
     m = sub.add_parser("lagmon", help="consumer lag → health state per model, published for producers to obey")
     m.add_argument("--model", action="append", default=[], help="models to watch (default: all)")
@@ -707,7 +786,6 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--ramp-s", type=float, default=40.0, help="linear ramp from the peak back to quiet")
     ba.add_argument("--tail-s", type=float, default=90.0, help="quiet after the ramp")
     ba.add_argument("--per-input-ms", type=float, default=10.0, help="the simulated accelerator's cost per input")
-    ba.add_argument("--plot", help="PNG of arrivals, lag, wait and workers over time (default: in the stack home)")
     ba.set_defaults(func=cmd_bench)
     bo = bs.add_parser("overload", help="a 3x capacity surge with and without the health signal, side by side")
     bo.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
@@ -719,6 +797,15 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--neighbour-s", type=float, default=15.0,
                     help="per phase of the co-located 10x spike run (0: skip it)")
     bo.set_defaults(func=cmd_bench)
+    for name, parser in (("model", bm), ("batching", bb), ("generation", bg), ("serve", bv), ("transport", bt),
+                         ("faults", bf), ("autoscale", ba), ("overload", bo)):
+        parser.add_argument("--plot", nargs="?", const="", metavar="PNG",
+                            help=f"also draw the report as a PNG (default: bench-{name}.png here; "
+                                 "'kinfer bench plot' draws a saved report)")
+    bp = bs.add_parser("plot", help="draw a saved report (the JSON a bench printed) as a PNG")
+    bp.add_argument("report", help="the report's JSON file (any kinfer bench)")
+    bp.add_argument("--out", metavar="PNG", help="default: the report's path with .png")
+    bp.set_defaults(func=cmd_bench_plot)
     return p
 
 

@@ -175,7 +175,7 @@ class HealthEstimator:
             self._below_since = None
 
     def state(self, model: str, updated_ms: int, *, lag_by_priority: tuple[int, int, int] = (0, 0, 0),
-              service_ms: float = 0.0) -> HealthState:
+              service_ms: float = 0.0, warm_replicas: int = -1, cold_start_ms: float = 0.0) -> HealthState:
         """What producers are told: the level and the estimate it was decided on, as of ``updated_ms``."""
         return HealthState(
             model=model, level=self.level, predicted_wait_ms=round(self.instant_wait_ms(), 1),
@@ -184,6 +184,7 @@ class HealthEstimator:
             arrival_by_priority=(round(self.arrival_by_priority[0], 2), round(self.arrival_by_priority[1], 2),
                                  round(self.arrival_by_priority[2], 2)),
             service_ms=service_ms, capacity_rps=round(self.capacity_rps, 2),
+            warm_replicas=warm_replicas, cold_start_ms=round(cold_start_ms, 1),
         )
 
     def retry_after_ms(self) -> int:

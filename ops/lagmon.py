@@ -14,11 +14,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge
@@ -26,7 +25,7 @@ from redis.exceptions import RedisError
 
 from ops.health import HealthEstimator, HealthPolicy
 from topics import MalformedRecord, now_ms
-from topics.admin import TopicSpec, ensure_topics
+from topics.admin import TopicSpec, ensure_topics, group_members, offset_clients, read_offsets
 from topics.connect import kafka_options
 from topics.health import (
     DECISIONS_KEPT,
@@ -38,7 +37,8 @@ from topics.health import (
     LevelChange,
     health_key,
 )
-from topics.names import consumer_group, parse_request_topic, request_topics, served_models
+from topics.names import consumer_group, served_models
+from topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
 from topics.stats import ModelStats, stats_key
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ LEVEL_CHANGES = Counter("kinfer_health_level_changes_total", "Level changes", ["
 
 
 STATS_FRESH_MS = 5_000  # a telemetry summary older than this is no evidence (the processor may be down)
+RESIDENCY_FORGET_MS = 600_000  # a residency report this old is a dead worker's: removed
 
 
 def health_topic_spec() -> TopicSpec:
@@ -79,6 +80,28 @@ class LagMonitor:
         except (RedisError, OSError, MalformedRecord):
             return None
 
+    @staticmethod
+    async def _residency(redis: aioredis.Redis | None) -> list[WorkerResidency]:
+        """The workers' residency reports (``kinfer:residency``); unreadable ones are skipped."""
+        if redis is None:
+            return []
+        try:
+            raw = await redis.hgetall(RESIDENCY_KEY)
+        except (RedisError, OSError):
+            return []
+        reports, gone = [], []
+        for worker, data in raw.items():
+            with contextlib.suppress(MalformedRecord):
+                report = WorkerResidency.unpack(data) if isinstance(data, bytes) else None
+                if report is not None and now_ms() - report.updated_ms > RESIDENCY_FORGET_MS:
+                    gone.append(worker)  # a worker killed without saying goodbye
+                elif report is not None:
+                    reports.append(report)
+        if gone:
+            with contextlib.suppress(RedisError, OSError):
+                await redis.hdel(RESIDENCY_KEY, *gone)
+        return reports
+
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_topics(self.bootstrap, [health_topic_spec()])
         producer = AIOKafkaProducer(**kafka_options(self.bootstrap), acks="all")
@@ -102,6 +125,8 @@ class LagMonitor:
         self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, redis: aioredis.Redis | None = None
     ) -> list[HealthState]:
         models = self.models or served_models(await admin.list_topics())
+        members = await group_members(admin, [consumer_group(model) for model in models])
+        cold_starts = cold_start_estimates(await self._residency(redis), now_ms())
         states = []
         for model in models:
             measured = now_ms()  # before the offsets: producers count their sends from here
@@ -117,13 +142,18 @@ class LagMonitor:
                 self.stats[model] = stats
             else:
                 self.stats.pop(model, None)
+            warm = members.get(consumer_group(model), -1)
+            # Cold: no worker has it warm, and one has it registered (it swaps it in when records wait).
+            # Its queue not moving is the cold start, reported as such, not a stuck worker.
+            cold = warm == 0 and model in cold_starts
             level = estimator.observe(
                 time.monotonic(), lag, sum(offsets.log_end), offsets.committed_total, offsets.log_end,
                 capacity_rps=stats.capacity_rps if stats is not None and fresh else None,
-                progressing=stats is not None and fresh and stats.batches_rps > 0,
+                progressing=cold or (stats is not None and fresh and stats.batches_rps > 0),
             )
             state = estimator.state(model, measured, lag_by_priority=offsets.lag,
-                                    service_ms=stats.service_ms if stats else 0.0)
+                                    service_ms=stats.service_ms if stats else 0.0, warm_replicas=warm,
+                                    cold_start_ms=cold_starts[model] if cold else 0.0)
             previous = self.states.get(model)
             if previous is None or previous.level != level:
                 LEVEL_CHANGES.labels(model, level.name.lower()).inc()
@@ -151,47 +181,23 @@ class LagMonitor:
         await producer.send(HEALTH_TOPIC, data, key=state.model.encode())
 
 
-@contextlib.asynccontextmanager
-async def offset_clients(bootstrap: str) -> AsyncIterator[tuple[AIOKafkaAdminClient, AIOKafkaConsumer]]:
-    """What reading a model's lag takes: an admin client (committed offsets) and a consumer (log ends)."""
-    admin = AIOKafkaAdminClient(**kafka_options(bootstrap))
-    consumer = AIOKafkaConsumer(**kafka_options(bootstrap), enable_auto_commit=False)
-    await admin.start()
-    try:
-        await consumer.start()
-        try:
-            yield admin, consumer
-        finally:
-            await consumer.stop()
-    finally:
-        await admin.close()
-
-
-@dataclass(frozen=True, slots=True)
-class Offsets:
-    lag: tuple[int, int, int]  # records waiting, per priority (p0, p1, p2)
-    log_end: tuple[int, int, int]  # records ever written, per priority
-    committed_total: int  # records done, all priorities
-    partitions: int = 0  # of each request topic (the fewest, should they differ)
-
-
-async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, model: str) -> Offsets | None:
-    """The model's offsets by priority; None when it has no request topics."""
-    described = await admin.describe_topics(request_topics(model))
-    parts = [TopicPartition(t["topic"], p["partition"]) for t in described if t["error_code"] == 0
-             for p in t["partitions"]]
-    if not parts:
-        return None
-    ends = await consumer.end_offsets(parts)
-    committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=parts)
-    done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in parts}
-    lag, end = [0, 0, 0], [0, 0, 0]
-    for tp in parts:
-        p = int(parse_request_topic(tp.topic)[1])
-        lag[p] += max(0, ends[tp] - done[tp])
-        end[p] += ends[tp]
-    counts = [len(t["partitions"]) for t in described if t["error_code"] == 0]
-    return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()), min(counts))
+def cold_start_estimates(reports: list[WorkerResidency], now: int) -> dict[str, float]:
+    """Per model some worker could swap in (it is registered there, off the device): how soon one should
+    have it warm — the fastest, among fresh reports, of each such worker's last measured swap-in from the
+    tier its weights are in now (one loading it counts its slowest measured tier); 0.0: never measured."""
+    best: dict[str, float] = {}
+    for report in reports:
+        if now - report.updated_ms > RESIDENCY_FRESH_MS:
+            continue
+        for m in report.models:
+            if m.tier == "device":
+                continue
+            # One being loaded counts its slowest measured tier.
+            measured = max(m.swap_in_ms.values(), default=0.0) if m.tier == "loading" else m.swap_in_ms.get(m.tier, 0.0)
+            known = best.get(m.model)
+            if known is None or (measured > 0 and (known == 0 or measured < known)):
+                best[m.model] = measured
+    return best
 
 
 __all__ = ["LagMonitor", "Level", "health_topic_spec"]

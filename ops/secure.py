@@ -43,6 +43,7 @@ from topics.names import (
     Priority,
     request_topic,
 )
+from topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY
 from topics.stats import STATS_TOPIC
 
 ADMIN = "admin"
@@ -557,13 +558,17 @@ def redis_rules(secrets: Secrets, version: tuple[int, int] = (7, 0)) -> dict[str
     """
     base = [*_BASE, *(["+client|setinfo"] if version >= (7, 2) else [])]
     reply_any = "&kinfer:reply:*"
+    residency, demand = f"~{RESIDENCY_KEY}", f"&{DEMAND_CHANNEL}"
     rules: dict[str, list[str]] = {
         ADMIN: ["~*", "&*", "+@all"],
-        # Replies to every client's channel; cancellations in.
-        WORKER: [*base, f"(+publish {reply_any})", "(+subscribe &kinfer:cancel)"],
-        # Reads telemetry summaries, writes the health state, its notification and the decisions list.
-        LAGMON: [*base, "%R~kinfer:stats:*", "~kinfer:health:*", "~kinfer:decisions",
-                 "+get", "+set", "+lpush", "+ltrim", "(+publish &kinfer:health)"],
+        # Replies to every client's channel; cancellations and cold models' demand notes in; its own
+        # entry of the residency hash.
+        WORKER: [*base, residency, "+hset", "+hdel", f"(+publish {reply_any})",
+                 f"(+subscribe &kinfer:cancel {demand})"],
+        # Reads telemetry summaries and the residency hash (forgets dead workers' entries), writes the
+        # health state, its notification and the decisions list.
+        LAGMON: [*base, "%R~kinfer:stats:*", "~kinfer:health:*", "~kinfer:decisions", residency,
+                 "+get", "+set", "+lpush", "+ltrim", "+hgetall", "+hdel", "(+publish &kinfer:health)"],
         TELEMETRY: [*base, "~kinfer:stats:*", "+set"],
         AUTOSCALER: [*base, "%R~kinfer:stats:*", "%R~kinfer:health:*", "~kinfer:autoscale:*",
                      "+get", "+set", "+lpush", "+ltrim"],
@@ -572,12 +577,12 @@ def redis_rules(secrets: Secrets, version: tuple[int, int] = (7, 0)) -> dict[str
         # EVALSHA, loaded by SCRIPT LOAD, whose calls Redis checks against these rules too).
         GATEWAY: [*base, "%R~kinfer:health:*", "~kinfer:ratelimit:*", "+get",
                   "+evalsha", "+script|load", "+time", "+hmget", "+hset", "+pexpire",
-                  "(+subscribe &kinfer:reply:gateway:* &kinfer:health)", "(+publish &kinfer:cancel)"],
+                  "(+subscribe &kinfer:reply:gateway:* &kinfer:health)", f"(+publish &kinfer:cancel {demand})"],
     }
     for tenant in secrets.tenants:
         rules[tenant_principal(tenant)] = [
             *base, "%R~kinfer:health:*", "+get",
-            f"(+subscribe &kinfer:reply:{tenant}:* &kinfer:health)", "(+publish &kinfer:cancel)",
+            f"(+subscribe &kinfer:reply:{tenant}:* &kinfer:health)", f"(+publish &kinfer:cancel {demand})",
         ]
     return rules
 

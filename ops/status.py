@@ -18,9 +18,11 @@ import redis.asyncio as aioredis
 from ops.scaling import SCALE_DECISIONS_KEY, SCALE_STATE_PREFIX, ScaleDecision, ScaleState
 from topics import MalformedRecord
 from topics.health import DECISIONS_KEY, HEALTH_KEY_PREFIX, HealthState, LevelChange
+from topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
 from topics.stats import STATS_KEY_PREFIX, ModelStats
 
 T = TypeVar("T")
+GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,7 @@ class Snapshot:
     changes: list[LevelChange]  # newest first
     scaling: dict[str, ScaleState] = field(default_factory=dict)  # the autoscalers' latest state
     scale_changes: list[ScaleDecision] = field(default_factory=list)  # newest first
+    residency: list[WorkerResidency] = field(default_factory=list)  # each worker's tiers (fresh reports)
 
     def models(self) -> list[str]:
         return sorted(set(self.health) | set(self.stats) | set(self.scaling))
@@ -44,6 +47,7 @@ class Snapshot:
                 for m in self.models()
             },
             "scale_decisions": [d.to_wire() for d in self.scale_changes],
+            "residency": [r.to_wire() for r in self.residency],
             "decisions": [
                 {"at_ms": c.at_ms, "model": c.model, "from": c.before.name.lower() if c.before is not None else None,
                  "to": c.after.name.lower(), "lag": c.lag, "predicted_wait_ms": c.predicted_wait_ms}
@@ -68,7 +72,13 @@ async def snapshot(redis: aioredis.Redis, decisions: int = 10) -> Snapshot:
     scaling = {s.model: s for s in await _load(redis, SCALE_STATE_PREFIX, ScaleState.unpack)}
     changes = await _latest(redis, DECISIONS_KEY, decisions, LevelChange.unpack)
     scale_changes = await _latest(redis, SCALE_DECISIONS_KEY, decisions, ScaleDecision.unpack)
-    return Snapshot(health, stats, changes, scaling, scale_changes)
+    residency = []
+    for data in (await redis.hgetall(RESIDENCY_KEY)).values():
+        with contextlib.suppress(MalformedRecord):
+            report = WorkerResidency.unpack(data) if isinstance(data, bytes) else None
+            if report is not None and time.time() * 1000 - report.updated_ms <= RESIDENCY_FRESH_MS:
+                residency.append(report)
+    return Snapshot(health, stats, changes, scaling, scale_changes, sorted(residency, key=lambda r: r.worker))
 
 
 async def _latest(redis: aioredis.Redis, key: str, n: int, parse: Callable[[bytes], T]) -> list[T]:
@@ -93,7 +103,8 @@ def render(snap: Snapshot, now_ms: int | None = None) -> str:
             "/".join(str(n) for n in h.lag_by_priority) if h else "-",
             f"{h.arrival_rps:.1f}" if h else "-",
             f"{h.drain_rps:.1f}" if h else "-",
-            f"{h.predicted_wait_ms:.0f}" if h else "-",
+            (f"cold {h.cold_start_ms:.0f}" if h.warm_replicas == 0 and h.cold_start_ms else
+             f"{h.predicted_wait_ms:.0f}") if h else "-",
             f"{s.inputs_rps:.1f}" if s else "-",
             f"{s.mean_batch:.1f}" if s else "-",
             f"{s.service_ms:.1f}" if s else "-",
@@ -114,6 +125,18 @@ def render(snap: Snapshot, now_ms: int | None = None) -> str:
         before = c.before.name.lower() if c.before is not None else "(start)"
         lines.append(f"  {at}  {c.model}: {before} -> {c.after.name.lower()}  "
                      f"(lag {c.lag}, predicted wait {c.predicted_wait_ms:.0f} ms)")
+    if any(r.budget_bytes for r in snap.residency):
+        lines.append("")
+        lines.append("residency (workers under a memory budget; swap-in = weights loaded, warm-up, group joined):")
+        for r in snap.residency:
+            if not r.budget_bytes:
+                continue
+            used = sum(entry.footprint_bytes for entry in r.models if entry.tier == "device")
+            lines.append(f"  {r.worker}: {used / GIB:.2f} of {r.budget_bytes / GIB:.2f} GiB")
+            for entry in r.models:
+                swaps = ", ".join(f"from {tier} {ms:.0f} ms" for tier, ms in sorted(entry.swap_in_ms.items()))
+                lines.append(f"    {entry.model:<24} {entry.tier:<8} {entry.footprint_bytes / GIB:7.2f} GiB  "
+                             f"{swaps or '-'}")
     if snap.scale_changes:
         lines.append("")
         lines.append("autoscaler (newest first):")

@@ -5,7 +5,9 @@ Two mechanisms, applied in order:
 1. **The health signal** (``topics.health``): a request is refused when the model's predicted wait
    plus its service time would pass its deadline, and by priority as the level rises (SHEDDING
    refuses p2, REJECTING refuses p1 and p2). The level comes smoothed and with hysteresis; the
-   wait is brought up to date with what this producer sent since the state was measured.
+   wait is brought up to date with what this producer sent since the state was measured. A *cold*
+   model (no warm replica, a measured cold start) is judged by that instead: refused, with it as the
+   retry-after, when the cold start and the queue before the request outlast its deadline.
 2. **Adaptive throttling** (Google SRE book, "Handling Overload"): each client tracks its recent
    requests and the ones the backend accepted, and refuses locally with probability
    ``max(0, (requests - K·accepts) / (requests + 1))``. It needs no signal at all, reacts within a
@@ -94,13 +96,15 @@ def health_decision(
     """
     if health is None:
         return ADMIT
+    service_ms = health.service_ms if service_ms is None else service_ms
+    if health.warm_replicas == 0 and health.cold_start_ms > 0:
+        return _cold_decision(health, deadline_in_ms, service_ms)
     retry = health.retry_after_ms / 1000.0
     if health.level >= Level.REJECTING and priority > Priority.P0:
         return Decision(False, f"{health.model} is rejecting {priority.label}", retry, "level")
     if health.level >= Level.SHEDDING and priority >= Priority.P2:
         return Decision(False, f"{health.model} is shedding {priority.label}", retry, "level")
     wait_ms = health.predicted_wait_ms if wait_ms is None else wait_ms
-    service_ms = health.service_ms if service_ms is None else service_ms
     if wait_ms + service_ms > deadline_in_ms:
         return Decision(
             False,
@@ -108,6 +112,22 @@ def health_decision(
             f"exceeds the {deadline_in_ms:.0f} ms deadline",
             retry,
             "deadline",
+        )
+    return ADMIT
+
+
+def _cold_decision(health: HealthState, deadline_in_ms: float, service_ms: float) -> Decision:
+    """No worker has the model warm, and one will swap it in in about ``cold_start_ms``. Its level says
+    little (a queue nobody drains looks stalled); what counts is whether the cold start, the records
+    queued before this one and its own service fit in its deadline."""
+    queue_ms = 1000.0 * health.lag / health.capacity_rps if health.capacity_rps > 0 else 0.0
+    if health.cold_start_ms + queue_ms + service_ms > deadline_in_ms:
+        return Decision(
+            False,
+            f"{health.model} is cold (no warm worker): expected cold start {health.cold_start_ms:.0f} ms"
+            f" + queue {queue_ms:.0f} ms + service {service_ms:.0f} ms exceeds the {deadline_in_ms:.0f} ms deadline",
+            max(1.0, health.cold_start_ms / 1000.0),
+            "cold",
         )
     return ADMIT
 

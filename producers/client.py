@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 import uuid
@@ -36,6 +37,7 @@ from producers.replies import ReplyMux
 from topics import (
     DEFAULT_LIMITS,
     Chunk,
+    ColdStart,
     DeadlineExceeded,
     InvalidRequest,
     KinferError,
@@ -56,6 +58,8 @@ from topics.auth import Signer, cancel_mac, signer_from_env
 from topics.connect import KafkaAuth
 from topics.health import HealthState
 from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, redis_reply_channel, request_topic, served_models
+from topics.residency import DEMAND_CHANNEL
+from topics.residency import Demand as DemandNote
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +128,8 @@ class Client:
         self._sent: dict[str, SendLog] = {}
         self._service_ms: dict[str, float] = {}  # per model: compute time of the batches that served us
         self._admitted: dict[tuple[str, Priority], Any] = {}  # Prometheus children, resolved once
+        self._demand_at: dict[str, float] = {}  # per cold model: when we last said it was wanted
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -155,6 +161,8 @@ class Client:
         return partitions
 
     async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self._health.close()
         await self._replies.close()
         await self._producer.stop()
@@ -366,6 +374,9 @@ class Client:
             decision = self._throttle(request.model).decide(time.monotonic(), random.random())
         if not decision.admit:
             metrics.REFUSED.labels(request.model, request.priority.label, decision.cause).inc()
+            if decision.cause == "cold":
+                self._demand(request.model)
+                raise ColdStart(decision.reason, decision.retry_after_s)
             level = health.level.name.lower() if health is not None else None
             raise Overloaded(f"{request.model}: {decision.reason}", decision.retry_after_s, level)
         key = (request.model, request.priority)
@@ -397,6 +408,22 @@ class Client:
 
     def _remaining_s(self, request: Request) -> float:
         return (request.deadline_ms - now_ms() + self.settings.reply_grace_ms) / 1000.0
+
+    def _demand(self, model: str) -> None:
+        """A request refused because the model is cold never reaches Kafka, where workers look for work:
+        say on ``kinfer:demand`` that it was wanted (at most once a second per model), so one swaps it in."""
+        now = time.monotonic()
+        if now - self._demand_at.get(model, -math.inf) < 1.0:
+            return
+        self._demand_at[model] = now
+
+        async def publish() -> None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._redis.publish(DEMAND_CHANNEL, DemandNote(model).pack())
+
+        task = asyncio.get_running_loop().create_task(publish())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _cancel(self, model: str, request_id: str) -> None:
         with contextlib.suppress(RedisError, OSError):

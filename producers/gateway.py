@@ -53,6 +53,7 @@ from producers.ratelimit import RedisRateLimiter
 from producers.tenants import Tenant, Tenants
 from topics import (
     Chunk,
+    ColdStart,
     DeadlineExceeded,
     InvalidRequest,
     KinferError,
@@ -83,6 +84,7 @@ LATENCY = Histogram(
 _STATUS: list[tuple[type[KinferError], int]] = [
     (UnknownModel, 404),
     (InvalidRequest, 400),
+    (ColdStart, 503),  # before Overloaded, its parent: not the caller's rate, the model's state
     (Overloaded, 429),
     (Shed, 503),
     (DeadlineExceeded, 504),

@@ -28,6 +28,7 @@ from topics.envelope import (
     seal,
 )
 from topics.errors import (
+    ColdStart,
     DeadlineExceeded,
     InvalidRequest,
     KinferError,
@@ -44,6 +45,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "ENVELOPE_VERSION",
     "Chunk",
+    "ColdStart",
     "DeadlineExceeded",
     "InvalidRequest",
     "KinferError",

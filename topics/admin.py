@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import KafkaError
 
 from topics.connect import kafka_options
 from topics.errors import Unavailable
-from topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, request_topics
+from topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, consumer_group, parse_request_topic, request_topics
 from topics.stats import STATS_TOPIC
 
 log = logging.getLogger(__name__)
@@ -131,3 +133,70 @@ async def _partition_counts(
         # Freshly created topics take a moment to show up in metadata.
         await asyncio.sleep(0.1)
     return counts
+@contextlib.asynccontextmanager
+async def offset_clients(bootstrap: str) -> AsyncIterator[tuple[AIOKafkaAdminClient, AIOKafkaConsumer]]:
+    """What reading a model's lag takes: an admin client (committed offsets) and a consumer (log ends)."""
+    admin = AIOKafkaAdminClient(**kafka_options(bootstrap))
+    consumer = AIOKafkaConsumer(**kafka_options(bootstrap), enable_auto_commit=False)
+    await admin.start()
+    try:
+        await consumer.start()
+        try:
+            yield admin, consumer
+        finally:
+            await consumer.stop()
+    finally:
+        await admin.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Offsets:
+    lag: tuple[int, int, int]  # records waiting, per priority (p0, p1, p2)
+    log_end: tuple[int, int, int]  # records ever written, per priority
+    committed_total: int  # records done, all priorities
+    partitions: int = 0  # of each request topic (the fewest, should they differ)
+
+
+async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, model: str) -> Offsets | None:
+    """The model's offsets by priority; None when it has no request topics."""
+    described = await admin.describe_topics(request_topics(model))
+    parts = [TopicPartition(t["topic"], p["partition"]) for t in described if t["error_code"] == 0
+             for p in t["partitions"]]
+    if not parts:
+        return None
+    ends = await consumer.end_offsets(parts)
+    committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=parts)
+    done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in parts}
+    lag, end = [0, 0, 0], [0, 0, 0]
+    for tp in parts:
+        p = int(parse_request_topic(tp.topic)[1])
+        lag[p] += max(0, ends[tp] - done[tp])
+        end[p] += ends[tp]
+    counts = [len(t["partitions"]) for t in described if t["error_code"] == 0]
+    return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()), min(counts))
+
+
+async def group_members(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[str, int]:
+    """Members of each consumer group now (0: nobody consumes; a model with none has no warm replica;
+    -1: not known, e.g. the broker has no group coordinator yet).
+
+    One DescribeGroups request per group: aiokafka 0.14 reads a v3 response with the v2 schema, which
+    misses each group's trailing ``authorized_operations`` — harmless for the last group of a response,
+    a garbled read ("Buffer underrun") and a dropped connection for any group before it.
+    """
+
+    async def members(group: str) -> int:
+        try:
+            responses = await admin.describe_consumer_groups([group])
+        except KafkaError:
+            return -1
+        for response in responses:
+            for g in response.groups:  # (error, group id, state, protocol type, protocol, members, ...)
+                if g[1] == group:
+                    return len(g[5]) if g[0] == 0 else -1
+        return 0
+
+    counts = await asyncio.gather(*(members(group) for group in groups))
+    return dict(zip(groups, counts, strict=True))
+
+

@@ -5,6 +5,7 @@
     ├── InvalidRequest           the request breaks the contract (bad field, over a limit)
     │   └── UnknownModel         no such model is served
     ├── Overloaded               refused up front; ``retry_after_s`` says when to try again
+    │   └── ColdStart            no worker has the model warm, and its cold start outlasts the deadline
     ├── Shed                     accepted, then dropped by the worker under overload
     ├── DeadlineExceeded         the deadline passed before a result was produced
     ├── ModelError               the model raised while computing this request
@@ -48,6 +49,14 @@ class Overloaded(KinferError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.level = level  # the model's degradation level when the health signal refused it
+
+
+class ColdStart(Overloaded):
+    """No worker has the model warm (its weights are being swapped in, or will be): the expected cold
+    start, ``retry_after_s``, would outlast the request's deadline. Try again then, or with a longer one."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s, "cold")
 
 
 class Shed(KinferError):

@@ -43,6 +43,12 @@ class HealthState(Record, frozen=True):
     service_ms: float = 0.0  # recent mean compute time of a batch (telemetry); 0: unknown
     capacity_rps: float = 0.0  # records/s the workers drain while busy; 0: not measured yet
     arrival_by_priority: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of ``arrival_rps``: p0, p1, p2
+    # Members of the model's consumer group: workers that have it warm (a worker joins only once the
+    # model is loaded and warmed up). 0: the model is *cold*; -1: not known.
+    warm_replicas: int = -1
+    # While cold: how long until a worker should have it warm (its workers' last measured swap-in from
+    # the tier its weights are in; 0: no worker has measured one).
+    cold_start_ms: float = 0.0
 
 
 class LevelChange(Record, frozen=True, array_like=True):

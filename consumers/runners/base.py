@@ -24,6 +24,21 @@ class Runner(Protocol):
     def count_tokens(self, text: str) -> int:
         """Cheap estimate of the tokens ``text`` becomes; called on the event loop for every input."""
 
+    # Residency (a worker under a memory budget swaps models: device -> host RAM -> disk). Each is
+    # called off the event loop, only between model calls, and only in the order the tiers allow.
+
+    def footprint_bytes(self) -> int:
+        """Device memory the loaded weights take (0 before ``load``)."""
+
+    def offload(self) -> None:
+        """Device -> host RAM (pinned on CUDA): the device holds none of it until ``restore``."""
+
+    def restore(self) -> None:
+        """Host RAM -> device, after ``offload``."""
+
+    def unload(self) -> None:
+        """Drop the weights (-> disk); ``load`` brings them back."""
+
 
 class BatchRunner(Runner, Protocol):
     """Families whose requests are served by one forward pass each (embedding, classification)."""
@@ -45,6 +60,64 @@ class StepRunner(Runner, Protocol):
 
     def step(self, admit: list[GenInput], drop: list[str]) -> list[TokenEvent]:
         """Drop finished or cancelled rows, prefill ``admit``, decode one token for every row."""
+
+
+def module_bytes(module: Any) -> int:
+    """Bytes of a torch module's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+class TorchResidency:
+    """Residency for runners whose weights are one torch module (``_weights()``).
+
+    On CUDA, ``offload`` moves the module to pinned host memory (a later ``restore`` copies it back
+    at full PCIe speed); on a CPU the weights are in host RAM already, so both are no-ops and the
+    host tier means "loaded, not served". ``unload`` is the runner's own (what to drop differs).
+    """
+
+    device: str
+
+    def _weights(self) -> Any:
+        raise NotImplementedError
+
+    def footprint_bytes(self) -> int:
+        module = self._weights()
+        return module_bytes(module) if module is not None else 0
+
+    def offload(self) -> None:
+        module = self._weights()
+        if module is None or self.device == "cpu":
+            return
+        module.to("cpu")
+        for t in (*module.parameters(), *module.buffers()):
+            t.data = t.data.pin_memory()
+        _release_device_cache(self.device)
+
+    def restore(self) -> None:
+        module = self._weights()
+        if module is not None and self.device != "cpu":
+            module.to(self.device, non_blocking=True)
+            _synchronize(self.device)
+
+
+def _release_device_cache(device: str) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _synchronize(device: str) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def drop_weights(device: str) -> None:
+    """After a runner let go of its weights: collect them now, and give the device's cache back."""
+    import gc
+
+    gc.collect()
+    _release_device_cache(device)
 
 
 def estimate_tokens(text: str, max_length: int) -> int:

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from consumers.runners.base import PerThread, encode, estimate_tokens
+from consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
 
 
-class ClassifierRunner:
+class ClassifierRunner(TorchResidency):
     family = "classifier"
 
     def __init__(self, path: str | Path, device: str = "cpu", max_length: int = 256, top_k: int = 5) -> None:
@@ -34,6 +34,13 @@ class ClassifierRunner:
 
     def warmup(self) -> None:
         self.run(["warm up"] * 4)
+
+    def _weights(self) -> Any:
+        return self._model
+
+    def unload(self) -> None:
+        self._model = None
+        drop_weights(self.device)
 
     def count_tokens(self, text: str) -> int:
         return estimate_tokens(text, self.max_length)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from consumers.runners.base import PerThread, encode, estimate_tokens
+from consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def _cosines(a: Any, b: Any) -> list[float]:
     return torch.nn.functional.cosine_similarity(ta, tb, dim=1).tolist()
 
 
-class EmbeddingRunner:
+class EmbeddingRunner(TorchResidency):
     family = "embedding"
 
     def __init__(self, path: str | Path, device: str = "cpu", max_length: int = 256, runtime: str = "auto") -> None:
@@ -152,6 +152,7 @@ class EmbeddingRunner:
         self._model: Any = None
         self._session: Any = None  # an onnxruntime.InferenceSession when runtime is "onnx"
         self._onnx_inputs: list[str] = []
+        self._onnx_bytes = 0
 
     def load(self) -> None:
         self._tokenizer = AutoTokenizer.from_pretrained(self.path)
@@ -199,6 +200,7 @@ class EmbeddingRunner:
         opts.log_severity_level = 3  # errors only: its warnings about pruned initializers are noise
         session = ort.InferenceSession(str(entry / "model.onnx"), opts, providers=["CPUExecutionProvider"])
         self._onnx_inputs = [i.name for i in session.get_inputs()]
+        self._onnx_bytes = (entry / "model.onnx").stat().st_size
         self._session = session
         self._self_check()
 
@@ -265,6 +267,19 @@ class EmbeddingRunner:
                 worst,
                 ONNX_MIN_COSINE,
             )
+
+    def _weights(self) -> Any:
+        return self._model
+
+    def footprint_bytes(self) -> int:
+        """torch: the module's tensors; ONNX Runtime: the exported graph, whose initializers are the weights."""
+        if self._session is not None:
+            return self._onnx_bytes
+        return super().footprint_bytes()
+
+    def unload(self) -> None:
+        self._model = self._session = None
+        drop_weights(self.device)
 
     def warmup(self) -> None:
         for n, words in ((1, 4), (8, 32), (32, 64)):

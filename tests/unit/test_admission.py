@@ -122,3 +122,21 @@ def test_send_log_counts_sends_after_a_moment_and_forgets_old_ones() -> None:
     assert log.since(4_899) == 10
     assert log.since(-1) <= 300  # trimmed: at most about 2 × keep_ms of history
     assert log.rate(4_990, window_ms=1_000) == pytest.approx(100.0)
+
+
+def test_a_cold_model_is_judged_by_its_cold_start_not_its_level() -> None:
+    # Nobody drains a cold model's queue, so its level climbs; the cold start is what decides.
+    cold = state(Level.REJECTING, wait_ms=5_000.0).__replace__(warm_replicas=0, cold_start_ms=2_000.0, lag=0)
+    assert health_decision(cold, Priority.P2, deadline_in_ms=10_000).admit
+    refused = health_decision(cold, Priority.P0, deadline_in_ms=500)
+    assert not refused.admit and refused.cause == "cold" and refused.retry_after_s == 2.0
+    assert "cold start 2000 ms" in refused.reason
+    # The records queued before it count, at the capacity last measured.
+    queued = cold.__replace__(lag=300, capacity_rps=100.0)
+    assert not health_decision(queued, Priority.P1, deadline_in_ms=4_000).admit  # 2 s + 3 s queue > 4 s
+    # No cold start known (nobody measured one, or nobody has the model at all): the level rules.
+    unknown = cold.__replace__(cold_start_ms=0.0)
+    assert health_decision(unknown.__replace__(level=Level.OK, predicted_wait_ms=0.0), Priority.P2, 100).admit
+    assert not health_decision(unknown, Priority.P2, deadline_in_ms=10_000).admit
+    # Warm again: the level rules as before.
+    assert not health_decision(cold.__replace__(warm_replicas=1), Priority.P2, deadline_in_ms=10_000).admit

@@ -146,3 +146,21 @@ def test_state_round_trip_and_bad_input() -> None:
 def test_policy_names_the_conflict() -> None:
     with pytest.raises(ValueError, match="thresholds must rise"):
         HealthPolicy(degraded_wait_ms=200, shedding_wait_ms=100)
+
+
+def test_cold_start_estimates_take_the_fastest_fresh_worker_from_the_tier_its_weights_are_in() -> None:
+    from ops.lagmon import cold_start_estimates
+    from topics.residency import ModelResidency, WorkerResidency
+
+    now = 1_000_000
+    reports = [
+        WorkerResidency("w1", now - 1_000, 1, [ModelResidency("a", "disk", 1, {"disk": 900.0, "host": 80.0}),
+                                              ModelResidency("b", "device", 1, {"disk": 500.0})]),
+        WorkerResidency("w2", now - 2_000, 1, [ModelResidency("a", "host", 1, {"host": 120.0}),
+                                              ModelResidency("c", "loading", 1, {"host": 50.0, "disk": 700.0})]),
+        WorkerResidency("gone", now - 60_000, 1, [ModelResidency("a", "host", 1, {"host": 1.0})]),  # stale
+        WorkerResidency("w3", now, 1, [ModelResidency("d", "disk", 1, {})]),  # never measured
+    ]
+    # a: w1 has it on disk (900), w2 in host RAM (120): 120. b is warm on w1: nobody would swap it in.
+    # c is being loaded: its slowest measured tier. d: registered, never measured.
+    assert cold_start_estimates(reports, now) == {"a": 120.0, "c": 700.0, "d": 0.0}

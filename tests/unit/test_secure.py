@@ -158,7 +158,8 @@ def test_redis_acl_file_disables_default_and_stores_no_password() -> None:
 def test_redis_rules_per_principal() -> None:
     text = sec.redis_acl_text(sec.Secrets.generate(TENANTS))
     tenant = _user_line(text, "tenant-demo")
-    assert "(+subscribe &kinfer:reply:demo:* &kinfer:health)" in tenant and "(+publish &kinfer:cancel)" in tenant
+    assert "(+subscribe &kinfer:reply:demo:* &kinfer:health)" in tenant
+    assert "(+publish &kinfer:cancel &kinfer:demand)" in tenant  # cancels, and demand notes for cold models
     assert "&kinfer:reply:*" not in tenant and "+pubsub" not in tenant and "+@" not in tenant.replace("-@all", "")
     assert "%R~kinfer:health:*" in tenant and "+set" not in tenant
     # Nobody but the lag monitor publishes health; nobody but admin may list channels.
@@ -167,7 +168,9 @@ def test_redis_rules_per_principal() -> None:
         assert ("+publish &kinfer:health" in line) == (principal == sec.LAGMON), principal
         assert "pubsub" not in line and "~*" not in line and "&*" not in line, principal
     assert "(+publish &kinfer:reply:*)" in _user_line(text, sec.WORKER)
-    assert "(+subscribe &kinfer:cancel)" in _user_line(text, sec.WORKER)
+    assert "(+subscribe &kinfer:cancel &kinfer:demand)" in _user_line(text, sec.WORKER)
+    assert "~kinfer:residency +hset +hdel" in _user_line(text, sec.WORKER)
+    assert "+hgetall" in _user_line(text, sec.LAGMON) and "+hset" not in _user_line(text, sec.LAGMON)
     assert "(+subscribe &kinfer:reply:gateway:* &kinfer:health)" in _user_line(text, sec.GATEWAY)
     assert "~kinfer:stats:*" in _user_line(text, sec.TELEMETRY)
     assert "~kinfer:autoscale:*" in _user_line(text, sec.AUTOSCALER)

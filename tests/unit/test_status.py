@@ -49,3 +49,21 @@ def test_status_shows_what_the_autoscaler_runs_and_decided() -> None:
     doc = json.loads(json.dumps(snap.to_json()))
     assert doc["models"]["emb"]["autoscale"]["replicas"] == 3
     assert doc["scale_decisions"][0]["after"] == 3
+
+
+def test_status_shows_cold_models_and_each_workers_tiers_with_measured_swap_ins() -> None:
+    from topics.residency import ModelResidency, WorkerResidency
+
+    gib = 1 << 30
+    cold = HealthState("rare", Level.OK, 0.0, 1000, 3, 0.0, 0.0, 10_000, warm_replicas=0, cold_start_ms=1850.0)
+    report = WorkerResidency("w1", 10_000, 2 * gib, [
+        ModelResidency("emb", "device", gib, {"disk": 2400.0}),
+        ModelResidency("rare", "host", gib // 2, {"host": 310.0, "disk": 1850.0}),
+    ])
+    snap = Snapshot({"rare": cold}, {}, [], residency=[report])
+    lines = render(snap, now_ms=11_000).splitlines()
+    assert "cold 1850" in next(line for line in lines if line.startswith("rare"))
+    assert any("w1: 1.00 of 2.00 GiB" in line for line in lines)
+    rare = next(line for line in lines if line.strip().startswith("rare ") and "GiB" in line)
+    assert "host" in rare and "from disk 1850 ms, from host 310 ms" in rare
+    assert json.loads(json.dumps(snap.to_json()))["residency"][0]["models"][1]["swap_in_ms"]["host"] == 310.0

@@ -1,0 +1,250 @@
+"""Which models a worker keeps on its device when they do not all fit (pure; ``now`` passed in).
+
+A worker *registers* every model it may serve and keeps a subset *resident* under a device-memory
+budget. Weights live in one of three tiers: on the device (served), in host RAM (pinned on CUDA: a
+copy away) or only on disk (a load away). The shell (``consumers.worker``) tells this policy what
+it sees — each model's records waiting in Kafka, whether it has work in this process, how many warm
+replicas the fleet has — and executes the moves it gets back, one at a time, evictions first.
+
+The rule:
+
+- A model with records waiting and no place on the device is *wanted*; the longest-waiting first.
+- It takes free room, else the room of resident models that are **idle** (nothing waiting, nothing
+  in this process): the least valuable first, value being the model's demand (requests, decayed
+  with ``half_life_s``) times its load weight, then least recently used. So with equal weights it is
+  LRU; a model that carries more traffic, or is declared heavier, stays longer.
+- When every resident model has work, a model that has waited ``quantum_s`` may take the place of
+  one that has held the device at least that long (time slicing, so nobody starves): that one is
+  first *drained* — the shell stops fetching it, finishes what it holds — and evicted once idle.
+- Never evicted: a model with work in this process, or one whose fleet would drop below
+  ``keep_warm`` warm replicas without this worker.
+- An evicted model goes to host RAM when the host budget has room (pushing the least valuable host
+  model to disk), else to disk. Nothing is ever placed over a budget; a model larger than the
+  device budget is never made resident (``Plan.unservable``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class Tier(enum.IntEnum):
+    DEVICE = 0  # on the accelerator (or, on a CPU worker, loaded and served)
+    HOST = 1  # in host RAM, pinned on CUDA: a copy away
+    DISK = 2  # on disk only: a load away
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyPolicy:
+    device_budget: int  # bytes of weights the device may hold
+    host_budget: int = 0  # bytes of weights kept in host RAM off the device (0: no host tier)
+    half_life_s: float = 30.0  # how fast past demand stops counting
+    quantum_s: float = 10.0  # a model with work keeps the device this long before a waiting one may take it
+    keep_warm: int = 0  # never evict a model whose warm replicas (this worker included) are this many or fewer
+
+    def __post_init__(self) -> None:
+        if self.device_budget <= 0:
+            raise ValueError(f"device_budget must be > 0 bytes, got {self.device_budget}")
+        if self.host_budget < 0:
+            raise ValueError(f"host_budget must be >= 0 bytes, got {self.host_budget}")
+        if self.half_life_s <= 0 or self.quantum_s < 0:
+            raise ValueError("half_life_s must be > 0 and quantum_s >= 0")
+        if self.keep_warm < 0:
+            raise ValueError(f"keep_warm must be >= 0, got {self.keep_warm}")
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What the shell sees of one model when it asks for a plan."""
+
+    waiting: int = 0  # records waiting for it in Kafka (its consumer group's lag)
+    busy: bool = False  # requests of it buffered or running in this process
+    replicas: int = 0  # warm replicas in the fleet (its group's members), this worker included
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    model: str
+    source: Tier
+    to: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    moves: list[Move] = field(default_factory=list)  # in order: evictions, then promotions
+    drain: frozenset[str] = frozenset()  # resident models to stop fetching: their place is wanted
+    unservable: frozenset[str] = frozenset()  # waiting, but larger than the whole device budget
+
+
+@dataclass(slots=True)
+class _Model:
+    name: str
+    footprint: int
+    weight: float
+    tier: Tier
+    demand: float = 0.0  # decayed request count, as of ``demand_at``
+    demand_at: float = 0.0
+    last_used: float = -math.inf
+    tier_since: float = 0.0  # when it entered its tier
+    waiting_since: float | None = None  # off the device with records waiting, since
+
+
+class Residency:
+    def __init__(self, policy: ResidencyPolicy) -> None:
+        self.policy = policy
+        self._models: dict[str, _Model] = {}
+
+    # -- what is where ---------------------------------------------------------------------
+
+    def register(self, name: str, footprint: int, weight: float = 1.0, tier: Tier = Tier.DISK) -> None:
+        if footprint < 0 or weight <= 0:
+            raise ValueError(f"{name}: footprint must be >= 0 and weight > 0")
+        if name in self._models:
+            raise ValueError(f"{name} is registered already")
+        self._models[name] = _Model(name, footprint, weight, tier)
+
+    def tier(self, name: str) -> Tier:
+        return self._models[name].tier
+
+    def footprint(self, name: str) -> int:
+        return self._models[name].footprint
+
+    def resize(self, name: str, footprint: int) -> None:
+        """The footprint measured once loaded (it was an estimate). Over budget now: the next plan evicts."""
+        self._models[name].footprint = max(0, footprint)
+
+    def used(self, tier: Tier) -> int:
+        return sum(m.footprint for m in self._models.values() if m.tier == tier)
+
+    def models(self, tier: Tier | None = None) -> list[str]:
+        return [m.name for m in self._models.values() if tier is None or m.tier == tier]
+
+    def touch(self, name: str, now: float, requests: int = 1) -> None:
+        """``requests`` of the model were fetched (resident) or seen waiting: demand."""
+        m = self._models[name]
+        m.demand = self._decayed(m, now) + requests
+        m.demand_at = now
+        m.last_used = now
+
+    def value(self, name: str, now: float) -> float:
+        m = self._models[name]
+        return m.weight * self._decayed(m, now)
+
+    def _decayed(self, m: _Model, now: float) -> float:
+        return m.demand * math.pow(0.5, max(0.0, now - m.demand_at) / self.policy.half_life_s)
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def initial(self, now: float) -> list[Move]:
+        """At start: the device, then host RAM, filled in registration order; the rest stays on disk."""
+        moves = []
+        for m in self._models.values():
+            if m.tier != Tier.DISK:
+                continue
+            if m.footprint <= self.policy.device_budget - self.used(Tier.DEVICE):
+                moves.append(self._move(m, Tier.DEVICE, now))
+            elif m.footprint <= self.policy.host_budget - self.used(Tier.HOST):
+                moves.append(self._move(m, Tier.HOST, now))
+        return moves
+
+    def plan(self, now: float, seen: Mapping[str, Demand]) -> Plan:
+        """The moves to make now, given what the shell sees (a model it does not mention: idle)."""
+        idle = Demand()
+        moves: list[Move] = []
+        for m in self._models.values():
+            d = seen.get(m.name, idle)
+            if m.tier == Tier.DEVICE or d.waiting <= 0:
+                m.waiting_since = None
+            elif m.waiting_since is None:
+                m.waiting_since = now
+        # A footprint measured larger than its estimate can leave the device over budget: shed first.
+        while self.used(Tier.DEVICE) > self.policy.device_budget:
+            victims = self._evictable(now, seen, idle_only=True)
+            if not victims:
+                break
+            moves += self._evict(victims[0], now)
+        wanted = sorted(
+            (m for m in self._models.values() if m.tier != Tier.DEVICE and m.waiting_since is not None),
+            key=lambda m: (m.waiting_since, -self.value(m.name, now)),
+        )
+        drain: set[str] = set()
+        unservable: set[str] = set()
+        for w in wanted:
+            if w.footprint > self.policy.device_budget:
+                unservable.add(w.name)
+                continue
+            need = w.footprint - (self.policy.device_budget - self.used(Tier.DEVICE))
+            if need <= 0:
+                moves.append(self._move(w, Tier.DEVICE, now))
+                continue
+            starved = w.waiting_since is not None and now - w.waiting_since >= self.policy.quantum_s
+            victims = self._evictable(now, seen, idle_only=not starved)
+            chosen, room = [], 0
+            for v in victims:
+                if room >= need:
+                    break
+                chosen.append(v)
+                room += v.footprint
+            if room < need:
+                continue  # not enough room yet: wait (maybe a drained model becomes idle)
+            busy = [v for v in chosen if seen.get(v.name, idle).busy]
+            if busy:
+                drain.update(v.name for v in busy)  # evicted once they have finished what they hold
+                continue
+            for v in chosen:
+                moves += self._evict(v, now)
+            moves.append(self._move(w, Tier.DEVICE, now))
+        return Plan(moves, frozenset(drain), frozenset(unservable))
+
+    def _evictable(self, now: float, seen: Mapping[str, Demand], idle_only: bool) -> list[_Model]:
+        """Resident models that may give up their place, cheapest first.
+
+        Idle ones (nothing waiting, nothing in process) always may; with ``idle_only`` False, so may
+        those that have held the device for a quantum (busy ones are drained before they go). Never
+        one whose fleet would be left with fewer than ``keep_warm`` warm replicas.
+        """
+        idle = Demand()
+        out: list[tuple[bool, float, float, _Model]] = []
+        for m in self._models.values():
+            if m.tier != Tier.DEVICE:
+                continue
+            d = seen.get(m.name, idle)
+            if self.policy.keep_warm and d.replicas <= self.policy.keep_warm:
+                continue
+            quiet = d.waiting <= 0 and not d.busy
+            if quiet or (not idle_only and now - m.tier_since >= self.policy.quantum_s):
+                out.append((not quiet, self.value(m.name, now), m.last_used, m))
+        out.sort(key=lambda entry: entry[:3])
+        return [entry[3] for entry in out]
+
+    def _evict(self, m: _Model, now: float) -> list[Move]:
+        """Off the device: to host RAM when it fits there (pushing less valuable models to disk)."""
+        moves: list[Move] = []
+        budget = self.policy.host_budget
+        if 0 < m.footprint <= budget or (m.footprint == 0 and budget > 0):
+            hosted = sorted((h for h in self._models.values() if h.tier == Tier.HOST),
+                            key=lambda h: (self.value(h.name, now), h.last_used))
+            while self.used(Tier.HOST) + m.footprint > budget and hosted:
+                h = hosted.pop(0)
+                if self.value(h.name, now) > self.value(m.name, now):
+                    break  # what is there is worth more: this one goes to disk instead
+                moves.append(self._move(h, Tier.DISK, now))
+            if self.used(Tier.HOST) + m.footprint <= budget:
+                moves.append(self._move(m, Tier.HOST, now))
+                return moves
+        moves.append(self._move(m, Tier.DISK, now))
+        return moves
+
+    @staticmethod
+    def _move(m: _Model, to: Tier, now: float) -> Move:
+        move = Move(m.name, m.tier, to)
+        m.tier, m.tier_since = to, now
+        if to == Tier.DEVICE:
+            m.waiting_since = None
+        return move
+
+
+__all__ = ["Demand", "Move", "Plan", "Residency", "ResidencyPolicy", "Tier"]
