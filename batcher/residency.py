@@ -8,7 +8,9 @@ replicas the fleet has — and executes the moves it gets back, one at a time, e
 
 The rule:
 
-- A model with records waiting and no place on the device is *wanted*; the longest-waiting first.
+- A model with records waiting and no place on the device is *wanted*, the longest-waiting first:
+  at the first record when nobody has it warm (it is cold), or, when other workers have it warm, once
+  ``prefetch_lag`` records wait — a queue forming behind them (prefetch, before it is long).
 - It takes free room, else the room of resident models that are **idle** (nothing waiting, nothing
   in this process): the least valuable first, value being the model's demand (requests, decayed
   with ``half_life_s``) times its load weight, then least recently used. So with equal weights it is
@@ -44,6 +46,9 @@ class ResidencyPolicy:
     half_life_s: float = 30.0  # how fast past demand stops counting
     quantum_s: float = 10.0  # a model with work keeps the device this long before a waiting one may take it
     keep_warm: int = 0  # never evict a model whose warm replicas (this worker included) are this many or fewer
+    # Records waiting before a model that others have warm is wanted here too (a cold one: the first).
+    # Below it the lag is their work in flight (commits are coalesced), not a queue.
+    prefetch_lag: int = 100
 
     def __post_init__(self) -> None:
         if self.device_budget <= 0:
@@ -62,7 +67,7 @@ class Demand:
 
     waiting: int = 0  # records waiting for it in Kafka (its consumer group's lag)
     busy: bool = False  # requests of it buffered or running in this process
-    replicas: int = 0  # warm replicas in the fleet (its group's members), this worker included
+    replicas: int = 0  # warm replicas in the fleet (its group's members), this worker included; -1: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +161,8 @@ class Residency:
         moves: list[Move] = []
         for m in self._models.values():
             d = seen.get(m.name, idle)
-            if m.tier == Tier.DEVICE or d.waiting <= 0:
+            queue = d.waiting >= (self.policy.prefetch_lag if d.replicas > 0 else 1)
+            if m.tier == Tier.DEVICE or not queue:
                 m.waiting_since = None
             elif m.waiting_since is None:
                 m.waiting_since = now

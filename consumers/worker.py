@@ -129,6 +129,7 @@ class WorkerSettings:
     host_memory_budget: float = 0.0  # GiB of host RAM for weights swapped off the device (0: to disk)
     keep_warm: int = 0  # never swap out a model that has this many warm replicas or fewer, this one included
     swap_quantum_s: float = 10.0  # a model with work keeps the device this long before a waiting one may take it
+    prefetch_lag: int = 100  # records waiting for a model others have warm before this worker swaps it in too
     residency_interval_s: float = 0.5  # how often the worker looks at its cold models' lag
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
@@ -242,7 +243,7 @@ class Worker:
         if settings.memory_budget is not None:
             self.residency = Residency(ResidencyPolicy(
                 device_budget=int(settings.memory_budget * GIB), host_budget=int(settings.host_memory_budget * GIB),
-                quantum_s=settings.swap_quantum_s, keep_warm=settings.keep_warm))
+                quantum_s=settings.swap_quantum_s, keep_warm=settings.keep_warm, prefetch_lag=settings.prefetch_lag))
             for spec in settings.models:
                 self.residency.register(spec.name, estimate_footprint(spec), settings.weights.get(spec.name, 1.0))
         # Swaps load weights here, beside the model calls (on a GPU a copy overlaps other models' compute).
@@ -427,10 +428,7 @@ class Worker:
 
     async def _demand(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer) -> dict[str, Demand]:
         """Per model: its records waiting in Kafka, whether this process holds any, its warm replicas."""
-        replicas: dict[str, int] = {}
-        if self.settings.keep_warm:
-            members = await group_members(admin, [consumer_group(name) for name in self.feeds])
-            replicas = {name: members.get(consumer_group(name), 0) for name in self.feeds}
+        members = await group_members(admin, [consumer_group(name) for name in self.feeds])
         demanded, self._demanded = self._demanded, set()
         seen = {}
         for name, feed in self.feeds.items():
@@ -438,7 +436,7 @@ class Worker:
             waiting = sum(offsets.lag) if offsets is not None else 0
             if name in demanded:
                 waiting = max(waiting, 1)
-            seen[name] = Demand(waiting, feed.busy(), replicas.get(name, 0))
+            seen[name] = Demand(waiting, feed.busy(), members.get(consumer_group(name), -1))
         return seen
 
     async def _demand_loop(self, redis: aioredis.Redis) -> None:

@@ -129,6 +129,8 @@ WORKER_FLAGS = {
     "host_memory_budget": "GiB of host RAM for weights swapped off the device (0: they go back to disk)",
     "keep_warm": "never swap out a model with this many warm replicas or fewer in the fleet, this worker included",
     "swap_quantum_s": "a model with work keeps the device this long before a waiting one may take its place",
+    "prefetch_lag": "records waiting for a model other workers have warm before this one swaps it in too "
+                    "(a cold model: the first)",
 }
 
 
@@ -489,6 +491,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         trace = Trace(quiet_rps=args.quiet_rps, step=args.step, quiet_s=args.quiet_s, peak_s=args.peak_s,
                       ramp_s=args.ramp_s, tail_s=args.tail_s)
         report = bench_autoscale(trace, per_input_ms=args.per_input_ms)
+    elif args.bench == "placement":
+        from ops.placement_bench import bench_placement
+
+        report = bench_placement(models=args.models, resident=args.resident, rate=args.rate, seconds=args.seconds,
+                                 zipf_s=args.zipf_s, deadline_ms=args.deadline_ms)
     elif args.bench == "overload":
         from ops.overload import bench_overload
 
@@ -797,8 +804,17 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--neighbour-s", type=float, default=15.0,
                     help="per phase of the co-located 10x spike run (0: skip it)")
     bo.set_defaults(func=cmd_bench)
+    bl = bs.add_parser("placement", help="swap-in times, and more models than the memory budget under a Zipf mix")
+    bl.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
+    bl.add_argument("--models", type=int, default=6, help="copies of all-MiniLM-L6-v2 under different names [6]")
+    bl.add_argument("--resident", type=int, default=3, help="how many of them the device budget holds [3]")
+    bl.add_argument("--rate", type=float, default=10.0, help="requests/s over all models (Poisson) [10]")
+    bl.add_argument("--seconds", type=float, default=60.0, help="length of the mixed load [60]")
+    bl.add_argument("--zipf-s", type=float, default=1.5, help="the traffic's Zipf exponent over the models [1.5]")
+    bl.add_argument("--deadline-ms", type=int, default=5_000, help="every request's deadline [5000]")
+    bl.set_defaults(func=cmd_bench)
     for name, parser in (("model", bm), ("batching", bb), ("generation", bg), ("serve", bv), ("transport", bt),
-                         ("faults", bf), ("autoscale", ba), ("overload", bo)):
+                         ("faults", bf), ("autoscale", ba), ("overload", bo), ("placement", bl)):
         parser.add_argument("--plot", nargs="?", const="", metavar="PNG",
                             help=f"also draw the report as a PNG (default: bench-{name}.png here; "
                                  "'kinfer bench plot' draws a saved report)")

@@ -489,6 +489,40 @@ def plot_model(report: Report, path: str) -> str:
     return _save(fig, path)
 
 
+def plot_placement(report: Report, path: str) -> str:
+    """Swap-in per model and tier; the mixed run's outcomes per model (hot first)."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 2]})
+    models = report.get("swap_in_ms_by_model", {})
+    names = list(models)
+    for i, tier in enumerate(("disk", "ram")):
+        ax1.bar([x + i * 0.38 for x in range(len(names))], [models[n].get(tier) or 0.0 for n in names], 0.38,
+                label=f"from {tier}", color=SERIES_COLOURS[i])
+    ax1.set_xticks([x + 0.19 for x in range(len(names))], names)
+    ax1.set_ylabel("swap-in to serving, ms (in process)")
+    ax1.legend(fontsize=8)
+    ax1.grid(axis="y", alpha=0.3)
+    by_model = report.get("by_model", {})
+    kinds = sorted({k for counts in by_model.values() for k in counts}, key=lambda k: (k != "ok", k))
+    order = list(by_model)
+    bottom = [0.0] * len(order)
+    for i, kind in enumerate(kinds):
+        values = [float(by_model[m].get(kind, 0)) for m in order]
+        ax2.bar(range(len(order)), values, bottom=bottom, label=kind, color=SERIES_COLOURS[i % len(SERIES_COLOURS)])
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    hot = set(report.get("hot_models", []))
+    ax2.set_xticks(range(len(order)), [f"{m.rsplit('-', 1)[-1]}{' (hot)' if m in hot else ''}" for m in order])
+    ax2.set_ylabel("requests")
+    ax2.legend(fontsize=8)
+    ax2.grid(axis="y", alpha=0.3)
+    setup = report.get("setup", {})
+    _title(fig, f"kinfer bench placement: {setup.get('models', '?')} models, budget for {setup.get('resident', '?')}, "
+                f"{setup.get('rate_rps', '?')}/s Zipf({setup.get('zipf_s', '?')}); hot p95/p99 "
+                f"{_num(report.get('hot_p95_ms'))}/{_num(report.get('hot_p99_ms'))} ms, cold start "
+                f"{_num(report.get('cold_start_ms'))} ms, lost {report.get('lost', '?')}")
+    return _save(fig, path)
+
+
 # -- shapes ---------------------------------------------------------------------------------------------------
 
 
@@ -509,6 +543,7 @@ PLOTTERS: dict[str, tuple[Callable[[Report], bool], Callable[[Report, str], str]
     "batching": (lambda r: _has_steps(r, POLICIES), plot_batching),
     "transport": (lambda r: _has_steps(r, PATHS), plot_transport),
     "simulate": (lambda r: _has(r, "search", "fleet"), plot_simulate),
+    "placement": (lambda r: _has(r, "swap_in_ms", "swap_in_ms_by_model"), plot_placement),
     "model": (lambda r: _has(r, "batch") and all(isinstance(v, dict) for v in r["batch"].values()), plot_model),
 }
 

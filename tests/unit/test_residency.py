@@ -192,3 +192,18 @@ def test_policy_validation() -> None:
         ResidencyPolicy(0)
     with pytest.raises(ValueError):
         ResidencyPolicy(1, keep_warm=-1)
+
+
+def test_a_model_warm_elsewhere_is_prefetched_only_when_a_queue_forms() -> None:
+    r = residency(200, prefetch_lag=50)
+    r.register("a", 100 * MB)
+    r.register("b", 100 * MB)
+    r.initial(0.0)  # both fit: a and b resident
+    r.register("c", 100 * MB)
+    # c is warm on another worker: its lag of 10 is that worker's work in flight, not a queue.
+    assert r.plan(1.0, {"c": Demand(waiting=10, replicas=1)}).moves == []
+    # A queue forms behind it: this worker swaps it in too, before the queue is long.
+    assert r.plan(2.0, {"c": Demand(waiting=60, replicas=1)}).moves[-1].model == "c"
+    # Cold (nobody has it warm): the first record is enough.
+    r.register("d", 100 * MB)
+    assert r.plan(3.0, {"d": Demand(waiting=1, replicas=0)}).moves[-1].model == "d"

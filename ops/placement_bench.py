@@ -1,0 +1,234 @@
+"""``kinfer bench placement``: what weight swapping costs, and whether hot models keep their SLA while
+cold ones come and go.
+
+1. **Swap-in of each built-in model**, in process (no transport): from disk (``load`` + warm-up
+   passes) and from host RAM (``offload`` then ``restore`` + warm-up), the median of a few tries,
+   and the footprint the runner measures. On a CPU the weights are in host RAM either way, so a
+   swap-in "from RAM" is the warm-up alone; on a GPU it is a pinned copy over PCIe.
+2. **More models than the budget holds**, end to end on the local stack: one worker registers
+   ``models`` copies of all-MiniLM-L6-v2 under different names with a device budget of ``resident``
+   of them and host RAM for the rest; the lag monitor runs (cold state), clients obey it; an
+   open-loop Poisson load spreads over the models by a Zipf law (a few hot, a long cold tail). Per
+   request: ok (latency from its scheduled send), refused as cold (``ColdStart``), refused otherwise,
+   expired, or lost (no answer at all). Hot = the models that carry most of the traffic.
+
+The report: ``{"swap_in_ms": {"ram": …, "disk": …}, "cold_start_ms": …, "hot_p95_ms": …,
+"hot_p99_ms": …, "cold_requests_served": …, "lost": …, …}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+from ops.bench import _log
+from ops.lagmon import LagMonitor
+from ops.load import make_texts, percentile
+from ops.procs import spawn_worker, stop_process
+from ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
+from ops.stack import LocalStack, free_port
+from producers import Client
+from topics import ColdStart, DeadlineExceeded, KinferError, Overloaded
+from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+
+BUILTIN = ("minilm", "tiny-lm")
+
+
+def swap_in_times(model: str, tries: int = 3) -> dict[str, Any]:
+    """Disk → serving and host RAM → serving for one built-in model, in this process (ms, medians)."""
+    from consumers.runners import build_runner, resolve_model
+    from consumers.runners.base import set_threads
+
+    set_threads(1)
+    runner = build_runner(resolve_model(model))
+    disk, ram = [], []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        runner.load()
+        runner.warmup()
+        disk.append(1000 * (time.perf_counter() - t0))
+        runner.offload()
+        t0 = time.perf_counter()
+        runner.restore()
+        runner.warmup()
+        ram.append(1000 * (time.perf_counter() - t0))
+        footprint = runner.footprint_bytes()
+        runner.unload()
+    return {"disk": round(statistics.median(disk), 1), "ram": round(statistics.median(ram), 1),
+            "footprint_mb": round(footprint / (1 << 20), 1), "device": runner.device,
+            "runtime": getattr(runner, "runtime", "torch")}
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    raw = [1.0 / (rank ** s) for rank in range(1, n + 1)]
+    return [w / sum(raw) for w in raw]
+
+
+def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: float = 10.0, seconds: float = 60.0,
+                    zipf_s: float = 1.5, deadline_ms: int = 5_000, quantum_s: float = 10.0,
+                    seed: int = 13) -> dict[str, Any]:
+    _log("swap-in of each built-in model, in process")
+    per_model = {name: swap_in_times(name) for name in BUILTIN}
+    for name, t in per_model.items():
+        _log(f"  {name}: disk {t['disk']:.0f} ms, ram {t['ram']:.0f} ms, {t['footprint_mb']} MiB ({t['runtime']})")
+    from consumers.runners.registry import estimate_footprint, resolve_model
+
+    footprint_gib = max(estimate_footprint(resolve_model("minilm")), per_model["minilm"]["footprint_mb"] * (1 << 20))
+    footprint_gib /= 1 << 30
+    budget = round(footprint_gib * (resident + 0.5), 4)  # room for ``resident``, not for one more
+    host = round(footprint_gib * (models - resident + 0.5), 4)
+    names = [f"bench-place-{i}" for i in range(models)]
+    weights = zipf_weights(models, zipf_s)
+    report: dict[str, Any] = {
+        "swap_in_ms": {"ram": per_model["minilm"]["ram"], "disk": per_model["minilm"]["disk"]},
+        "swap_in_ms_by_model": per_model,
+        "setup": {"models": models, "resident": resident, "hot": hot, "memory_budget_gib": budget,
+                  "host_memory_budget_gib": host, "rate_rps": rate, "seconds": seconds, "zipf_s": zipf_s,
+                  "shares": {n: round(w, 3) for n, w in zip(names, weights, strict=True)},
+                  "deadline_ms": deadline_ms, "swap_quantum_s": quantum_s,
+                  "model": "all-MiniLM-L6-v2 under each name", "cpus": os.cpu_count()},
+    }
+    stack = LocalStack()
+    info, started = stack.up()
+    worker = None
+    try:
+        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(),
+                                                   *(t for n in names for t in model_topic_specs(n, 3))]))
+        spec = resolve_model("minilm")
+        port = free_port()
+        flags = [a for n in names[1:] for a in ("--model", n)]
+        worker = spawn_worker(info, names[0], *flags, "--family", "embedding", "--path", str(spec.path),
+                              "--memory-budget", str(budget), "--host-memory-budget", str(host),
+                              "--swap-quantum-s", str(quantum_s), "--metrics-port", str(port),
+                              log_path=os.path.join(info.home, "bench-placement-worker.log"))
+        run = asyncio.run(_mixed_load(info.bootstrap, info.redis_url, names, weights, hot, rate, seconds,
+                                      deadline_ms, seed, worker))
+        report.update(run)
+        report["worker_swap_ins"] = _swap_ins(port)
+    finally:
+        if worker is not None:
+            stop_process(worker)
+        if started:
+            stack.down()
+    return report
+
+
+def _swap_ins(port: int) -> dict[str, dict[str, float]]:
+    """The worker's swap-ins to serving during the run, by source tier: how many, and their mean."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    sums: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("kinfer_swap_in_seconds_count", "kinfer_swap_in_seconds_sum"):
+                key = (sample.name.rsplit("_", 1)[1], sample.labels["source"])
+                sums[key] = sums.get(key, 0.0) + sample.value
+    return {source: {"count": int(sums[("count", source)]),
+                     "mean_ms": round(1000 * sums[("sum", source)] / sums[("count", source)], 1)}
+            for (kind, source) in sorted(sums) if kind == "count" and sums[("count", source)]}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(percentile(values, q), 1) if values else None
+
+
+async def _mixed_load(bootstrap: str, redis_url: str, names: list[str], weights: list[float], hot: int, rate: float,
+                      seconds: float, deadline_ms: int, seed: int, worker: Any) -> dict[str, Any]:
+    monitor = LagMonitor(bootstrap, redis_url, models=names, interval_s=0.25)
+    stop = asyncio.Event()
+    watching = asyncio.create_task(monitor.run(stop))
+    try:
+        async with Client(bootstrap, redis_url, tenant="bench") as client:
+            await _until_resident(client, names, worker)
+            rng = random.Random(seed)
+            texts = make_texts(512, 5, 60, seed=seed)
+            outcomes: list[dict[str, Any]] = []
+
+            async def one(model: str, scheduled: float, text: str) -> None:
+                state = client.health(model)
+                cold = state is not None and state.warm_replicas == 0
+                try:
+                    result = await client.infer(model, [text], deadline_ms=deadline_ms)
+                    kind = "ok" if result.status.value == "ok" else result.status.value
+                except ColdStart:
+                    kind = "refused_cold"
+                except Overloaded:
+                    kind = "refused"
+                except DeadlineExceeded as exc:
+                    kind = "expired" if exc.answered else "lost"
+                except KinferError as exc:
+                    kind = type(exc).__name__
+                outcomes.append({"model": model, "kind": kind, "cold_at_send": cold,
+                                 "latency_ms": 1000.0 * (time.monotonic() - scheduled)})
+
+            _log(f"mixed load: {rate}/s for {seconds:.0f} s over {len(names)} models (Zipf)")
+            tasks = []
+            at = start = time.monotonic()
+            while at - start < seconds:
+                delay = at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                model = rng.choices(names, weights)[0]
+                tasks.append(asyncio.create_task(one(model, at, rng.choice(texts))))
+                at += rng.expovariate(rate)
+            await asyncio.gather(*tasks)
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await watching
+    return _summarise(outcomes, names[:hot])
+
+
+async def _until_resident(client: Client, names: list[str], worker: Any, timeout_s: float = 300.0) -> None:
+    """The worker has loaded what it keeps (resident and in host RAM) and serves its first model."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert worker.poll() is None, "the worker exited: see bench-placement-worker.log"
+        try:
+            await client.infer(names[0], ["ready?"], deadline_ms=10_000)
+            return
+        except KinferError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+
+
+def _summarise(outcomes: list[dict[str, Any]], hot: list[str]) -> dict[str, Any]:
+    hot_ok = [o["latency_ms"] for o in outcomes if o["model"] in hot and o["kind"] == "ok"]
+    hot_all = [o for o in outcomes if o["model"] in hot]
+    cold = [o for o in outcomes if o["model"] not in hot]
+    by_model: dict[str, Counter[str]] = {}
+    for o in outcomes:
+        by_model.setdefault(o["model"], Counter())[o["kind"]] += 1
+    served_cold = [o["latency_ms"] for o in outcomes if o["cold_at_send"] and o["kind"] == "ok"]
+    hot_p95, hot_p99 = _pct(hot_ok, 95), _pct(hot_ok, 99)
+    return {
+        "requests": len(outcomes),
+        "outcomes": dict(Counter(o["kind"] for o in outcomes)),
+        "by_model": {m: dict(c) for m, c in sorted(by_model.items())},
+        "hot_models": hot,
+        "hot_p50_ms": _pct(hot_ok, 50),
+        "hot_p95_ms": hot_p95,
+        "hot_p99_ms": hot_p99,
+        "hot_ok_fraction": round(len(hot_ok) / len(hot_all), 4) if hot_all else None,
+        "hot_meets_sla": meets_sla(len(hot_ok) / len(hot_all) if hot_all else 0.0, hot_p95, hot_p99, min_ok=0.99),
+        "cold_requests": len(cold),
+        "cold_requests_served": sum(1 for o in cold if o["kind"] == "ok"),
+        "cold_requests_refused_cold": sum(1 for o in cold if o["kind"] == "refused_cold"),
+        "cold_p50_ms": _pct([o["latency_ms"] for o in cold if o["kind"] == "ok"], 50),
+        # A request sent while its model had no warm replica, to its result: the cold start as a caller sees it.
+        "cold_start_ms": round(statistics.median(served_cold), 1) if served_cold else None,
+        "cold_start_requests": len(served_cold),
+        "lost": sum(1 for o in outcomes if o["kind"] == "lost"),
+        "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS},
+    }
