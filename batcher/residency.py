@@ -12,9 +12,10 @@ The rule:
   at the first record when nobody has it warm (it is cold), or, when other workers have it warm, once
   ``prefetch_lag`` records wait — a queue forming behind them (prefetch, before it is long).
 - It takes free room, else the room of resident models that are **idle** (nothing waiting, nothing
-  in this process): the least valuable first, value being the model's demand (requests, decayed
-  with ``half_life_s``) times its load weight, then least recently used. So with equal weights it is
-  LRU; a model that carries more traffic, or is declared heavier, stays longer.
+  in this process) and worth less than ``protect_ratio`` times it: the least valuable first, value
+  being the model's demand (requests, decayed with ``half_life_s``; for the waiting one, its waiting
+  records too) times its load weight, then least recently used. So with equal weights it is LRU; a
+  hot model, idle for a moment between two requests, keeps its place against a rarely used one.
 - When every resident model has work, a model that has waited ``quantum_s`` may take the place of
   one that has held the device at least that long (time slicing, so nobody starves): that one is
   first *drained* — the shell stops fetching it, finishes what it holds — and evicted once idle.
@@ -49,6 +50,8 @@ class ResidencyPolicy:
     # Records waiting before a model that others have warm is wanted here too (a cold one: the first).
     # Below it the lag is their work in flight (commits are coalesced), not a queue.
     prefetch_lag: int = 100
+    # An idle model keeps its place against a waiting one worth less than 1/this of it (hysteresis).
+    protect_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         if self.device_budget <= 0:
@@ -187,7 +190,8 @@ class Residency:
                 moves.append(self._move(w, Tier.DEVICE, now))
                 continue
             starved = w.waiting_since is not None and now - w.waiting_since >= self.policy.quantum_s
-            victims = self._evictable(now, seen, idle_only=not starved)
+            claim = w.weight * (self._decayed(w, now) + seen.get(w.name, idle).waiting)
+            victims = self._evictable(now, seen, idle_only=not starved, worth_below=claim * self.policy.protect_ratio)
             chosen, room = [], 0
             for v in victims:
                 if room >= need:
@@ -205,12 +209,14 @@ class Residency:
             moves.append(self._move(w, Tier.DEVICE, now))
         return Plan(moves, frozenset(drain), frozenset(unservable))
 
-    def _evictable(self, now: float, seen: Mapping[str, Demand], idle_only: bool) -> list[_Model]:
+    def _evictable(self, now: float, seen: Mapping[str, Demand], idle_only: bool,
+                   worth_below: float = math.inf) -> list[_Model]:
         """Resident models that may give up their place, cheapest first.
 
-        Idle ones (nothing waiting, nothing in process) always may; with ``idle_only`` False, so may
-        those that have held the device for a quantum (busy ones are drained before they go). Never
-        one whose fleet would be left with fewer than ``keep_warm`` warm replicas.
+        Idle ones (nothing waiting, nothing in process) worth less than ``worth_below`` may; with
+        ``idle_only`` False (the waiting model is starved), so may any that has held the device for a
+        quantum (busy ones are drained before they go). Never one whose fleet would be left with fewer
+        than ``keep_warm`` warm replicas.
         """
         idle = Demand()
         out: list[tuple[bool, float, float, _Model]] = []
@@ -221,7 +227,8 @@ class Residency:
             if self.policy.keep_warm and d.replicas <= self.policy.keep_warm:
                 continue
             quiet = d.waiting <= 0 and not d.busy
-            if quiet or (not idle_only and now - m.tier_since >= self.policy.quantum_s):
+            held = now - m.tier_since >= self.policy.quantum_s
+            if (quiet and self.value(m.name, now) < worth_below) or (not idle_only and held):
                 out.append((not quiet, self.value(m.name, now), m.last_used, m))
         out.sort(key=lambda entry: entry[:3])
         return [entry[3] for entry in out]

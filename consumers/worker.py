@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -50,7 +51,7 @@ from consumers.observer import Observers
 from consumers.offsets import OffsetTracker
 from consumers.replies import Delivery, ReplySink
 from consumers.runners import ModelSpec, Runner, build_runner
-from consumers.runners.base import default_executors, pick_device, set_threads
+from consumers.runners.base import bring_in, default_executors, pick_device, set_threads
 from consumers.runners.registry import GIB, estimate_footprint
 from consumers.sinks import PrometheusSink, StatsSink
 from consumers.telemetry import StatsReporter
@@ -365,8 +366,7 @@ class Worker:
         feed.loading = True
         try:
             log.info("%s: loading from %s (%s)", feed.name, source.name.lower(), feed.core.spec.family)
-            await self._load(feed, self._runner_call(feed, "restore" if source == Tier.HOST else "load"))
-            await self._load(feed, feed.core.runner.warmup)
+            await self._load(feed, functools.partial(bring_in, feed.core.runner, source == Tier.HOST))
             if self.residency is not None:
                 self.residency.resize(feed.name, feed.core.runner.footprint_bytes())
             feed.tier = Tier.DEVICE

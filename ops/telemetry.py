@@ -14,8 +14,10 @@ never depend on it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +27,7 @@ from redis.exceptions import RedisError
 
 from batcher import Reason
 from topics import MalformedRecord
+from topics.admin import cluster_replication
 from topics.connect import KafkaAuth
 from topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
 
@@ -73,12 +76,14 @@ def _credentials(auth: KafkaAuth) -> Any:
 
 
 def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: float = 1.0,
-              app_id: str = "kinfer-telemetry", data_dir: str | None = None) -> faust.App:
+              app_id: str = "kinfer-telemetry", data_dir: str | None = None, replication: int = 1) -> faust.App:
+    """``replication``: copies of faust's own topics (changelogs): the cluster's default, or on three
+    brokers requiring two in-sync copies, its ``acks=-1`` writes to single-copy topics are refused."""
     if window_s < 1 or window_s != int(window_s):  # faust's windows step in whole seconds
         raise ValueError(f"window_s must be a whole number of seconds >= 1, got {window_s}")
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", broker_credentials=_credentials(KafkaAuth.from_env()),
-        store="memory://", topic_partitions=1, topic_replication_factor=1,
+        store="memory://", topic_partitions=1, topic_replication_factor=replication,
         web_enabled=False, datadir=data_dir or f"/tmp/{app_id}-data", producer_acks=-1,
         # A new processor starts at the end of kinfer.stats (its windows are about now); a restarted
         # one resumes from its committed offsets and changelogs.
@@ -162,5 +167,9 @@ def table_start(table: Any, now: float) -> float:
 def run(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: float = 1.0,
         app_id: str = "kinfer-telemetry", loglevel: str = "warning") -> None:
     """Run the processor until SIGTERM/SIGINT (then it commits and leaves its group)."""
-    app = build_app(bootstrap, redis_url, window_s=window_s, publish_s=publish_s, app_id=app_id)
+    # Asked on a thread of its own: asyncio.run on this one would leave it without the loop faust expects.
+    with ThreadPoolExecutor(1) as pool:
+        replication = pool.submit(asyncio.run, cluster_replication(bootstrap)).result()
+    app = build_app(bootstrap, redis_url, window_s=window_s, publish_s=publish_s, app_id=app_id,
+                    replication=replication)
     faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

@@ -176,6 +176,17 @@ async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, m
     return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()), min(counts))
 
 
+async def cluster_replication(bootstrap: str) -> int:
+    """The replication factor this cluster's topics get by default (``replication_for`` its brokers)."""
+    admin = AIOKafkaAdminClient(**kafka_options(bootstrap))
+    await admin.start()
+    try:
+        brokers = len((await admin.describe_cluster())["brokers"])
+    finally:
+        await admin.close()
+    return replication_for(brokers)[0]
+
+
 async def group_members(admin: AIOKafkaAdminClient, groups: list[str]) -> dict[str, int]:
     """Members of each consumer group now (0: nobody consumes; a model with none has no warm replica;
     -1: not known, e.g. the broker has no group coordinator yet).

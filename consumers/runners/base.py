@@ -100,6 +100,18 @@ class TorchResidency:
             _synchronize(self.device)
 
 
+def bring_in(runner: Runner, from_host: bool) -> None:
+    """Make a registered model ready to serve: ``restore`` from host RAM or ``load`` from disk, then the
+    warm-up passes — except after a restore on a CPU, where nothing moved and the model has served."""
+    if from_host:
+        runner.restore()
+        if runner.device == "cpu":
+            return
+    else:
+        runner.load()
+    runner.warmup()
+
+
 def _release_device_cache(device: str) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and device.startswith("cuda"):

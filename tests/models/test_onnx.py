@@ -111,3 +111,17 @@ def test_runtime_option() -> None:
     assert build_runner(resolve_model("noop", options={"runtime": "auto"})).family == "noop"
     with pytest.raises(ValueError, match="embedding family only"):
         build_runner(resolve_model("noop", options={"runtime": "onnx"}))
+
+
+def test_a_swap_in_from_disk_reopens_the_checked_export_without_torch_weights(
+    exported: Any, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked once in this process, the unchanged export is reopened alone: no torch model, no check."""
+    def no_torch_weights(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a swap-in loaded torch's weights again")
+
+    exported.unload()
+    monkeypatch.setattr(emb.AutoModel, "from_pretrained", no_torch_weights)
+    exported.load()
+    assert exported.runtime == "onnx" and exported.footprint_bytes() > 50 * (1 << 20)  # the weights, not the graph
+    assert min(cosines(exported.run(TEXTS), reference.run(TEXTS))) >= emb.ONNX_MIN_COSINE

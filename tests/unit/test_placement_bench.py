@@ -20,15 +20,16 @@ def test_summary_separates_hot_from_cold_and_counts_the_lost() -> None:
         {"model": "b", "kind": "ok", "cold_at_send": True, "latency_ms": 1100.0},
         {"model": "b", "kind": "ok", "cold_at_send": False, "latency_ms": 20.0},
         {"model": "c", "kind": "refused_cold", "cold_at_send": True, "latency_ms": 1.0},
-        {"model": "c", "kind": "lost", "cold_at_send": True, "latency_ms": 6000.0},
+        {"model": "c", "kind": "timed_out", "cold_at_send": True, "latency_ms": 6000.0},
+        {"model": "c", "kind": "timed_out", "cold_at_send": True, "latency_ms": 6000.0},
     ]
-    s = _summarise(outcomes, ["a"])
+    s = _summarise(outcomes, ["a"], late_replies=1)  # one of the two timed out was answered, late
     assert (s["hot_p95_ms"], s["hot_p99_ms"], s["hot_ok_fraction"], s["hot_meets_sla"]) == (95.0, 99.0, 1.0, True)
-    assert (s["cold_requests"], s["cold_requests_served"], s["cold_requests_refused_cold"]) == (5, 3, 1)
+    assert (s["cold_requests"], s["cold_requests_served"], s["cold_requests_refused_cold"]) == (6, 3, 1)
     assert s["cold_start_ms"] == 1000.0 and s["cold_start_requests"] == 2  # sent while cold, to its result
-    assert s["lost"] == 1 and s["by_model"]["c"] == {"refused_cold": 1, "lost": 1}
+    assert (s["timed_out"], s["lost"]) == (2, 1) and s["by_model"]["c"] == {"refused_cold": 1, "timed_out": 2}
 
 
 def test_a_run_without_hot_results_reports_none_not_nan() -> None:
-    s = _summarise([{"model": "a", "kind": "lost", "cold_at_send": False, "latency_ms": 1.0}], ["a"])
+    s = _summarise([{"model": "a", "kind": "timed_out", "cold_at_send": False, "latency_ms": 1.0}], ["a"])
     assert s["hot_p95_ms"] is None and s["cold_start_ms"] is None and not s["hot_meets_sla"]

@@ -207,3 +207,23 @@ def test_a_model_warm_elsewhere_is_prefetched_only_when_a_queue_forms() -> None:
     # Cold (nobody has it warm): the first record is enough.
     r.register("d", 100 * MB)
     assert r.plan(3.0, {"d": Demand(waiting=1, replicas=0)}).moves[-1].model == "d"
+
+
+def test_a_hot_model_idle_between_two_requests_keeps_its_place_against_a_rare_one() -> None:
+    r = residency(200, quantum_s=10.0)
+    for name in ("hot", "rare1", "rare2"):
+        r.register(name, 100 * MB)
+    r.initial(0.0)  # hot and rare1 resident
+    r.touch("hot", 1.0, 100)
+    r.touch("rare1", 1.0, 2)
+    # rare2 waits: the slot beside the hot model changes hands, the hot one stays.
+    assert [(m.model, m.to) for m in r.plan(2.0, {"rare2": Demand(waiting=1)}).moves] == [
+        ("rare1", Tier.DISK), ("rare2", Tier.DEVICE)]
+    # Budget for one: the rare one waits for the hot one's quantum, then takes its turn.
+    r2 = residency(100, quantum_s=10.0)
+    r2.register("hot", 100 * MB)
+    r2.register("rare", 100 * MB)
+    r2.initial(0.0)
+    r2.touch("hot", 1.0, 100)
+    assert r2.plan(2.0, {"rare": Demand(waiting=1)}).moves == []
+    assert [m.model for m in r2.plan(13.0, {"rare": Demand(waiting=1)}).moves] == ["hot", "rare"]
