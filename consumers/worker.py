@@ -67,7 +67,7 @@ from topics import (
     decode_request,
     now_ms,
 )
-from topics.admin import group_members, offset_clients, read_offsets
+from topics.admin import group_members, offset_clients, read_offsets_many
 from topics.auth import verifier_from_env
 from topics.backoff import Backoff
 from topics.connect import kafka_options
@@ -427,17 +427,19 @@ class Worker:
                         await self._swap_out(feed, move.to)
 
     async def _demand(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer) -> dict[str, Demand]:
-        """Per model: its records waiting in Kafka, whether this process holds any, its warm replicas."""
-        members = await group_members(admin, [consumer_group(name) for name in self.feeds])
+        """Per model: its records waiting in Kafka, whether this process holds any, its warm replicas
+        (asked only where they decide something: ``keep_warm``, or a model off the device that has
+        records waiting — a cold one is wanted at once, one warm elsewhere past ``prefetch_lag``)."""
+        offsets = await read_offsets_many(admin, consumer, list(self.feeds))
         demanded, self._demanded = self._demanded, set()
-        seen = {}
-        for name, feed in self.feeds.items():
-            offsets = await read_offsets(admin, consumer, name)
-            waiting = sum(offsets.lag) if offsets is not None else 0
-            if name in demanded:
-                waiting = max(waiting, 1)
-            seen[name] = Demand(waiting, feed.busy(), members.get(consumer_group(name), -1))
-        return seen
+        waiting = {name: sum(offsets[name].lag) if name in offsets else 0 for name in self.feeds}
+        for name in demanded:
+            waiting[name] = max(waiting[name], 1)
+        asked = [name for name, feed in self.feeds.items()
+                 if self.settings.keep_warm or (feed.tier != Tier.DEVICE and waiting[name] > 0)]
+        members = await group_members(admin, [consumer_group(name) for name in asked])
+        return {name: Demand(waiting[name], feed.busy(), members.get(consumer_group(name), -1))
+                for name, feed in self.feeds.items()}
 
     async def _demand_loop(self, redis: aioredis.Redis) -> None:
         """Producers that refused a request for a cold model say so here: a reason to swap it in."""

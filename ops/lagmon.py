@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 
 from ops.health import HealthEstimator, HealthPolicy
 from topics import MalformedRecord, now_ms
-from topics.admin import TopicSpec, ensure_topics, group_members, offset_clients, read_offsets
+from topics.admin import TopicSpec, ensure_topics, group_members, offset_clients, read_offsets_many
 from topics.connect import kafka_options
 from topics.health import (
     DECISIONS_KEPT,
@@ -128,9 +128,10 @@ class LagMonitor:
         members = await group_members(admin, [consumer_group(model) for model in models])
         cold_starts = cold_start_estimates(await self._residency(redis), now_ms())
         states = []
+        measured = now_ms()  # before the offsets: producers count their sends from here
+        read = await read_offsets_many(admin, consumer, models)
         for model in models:
-            measured = now_ms()  # before the offsets: producers count their sends from here
-            offsets = await read_offsets(admin, consumer, model)
+            offsets = read.get(model)
             if offsets is None:
                 continue
             lag = sum(offsets.lag)

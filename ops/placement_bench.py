@@ -12,7 +12,8 @@ cold ones come and go.
    open-loop Poisson load spreads over the models by a Zipf law (a few hot, a long cold tail). Per
    request: ok (latency from its scheduled send), refused as cold (``ColdStart``), refused otherwise,
    expired, or timed out (no answer by its deadline); lost = timed out and never answered, even late.
-   Hot = the models that carry most of the traffic.
+   Hot = the models that carry most of the traffic. The same load first runs with a budget that
+   holds every model (``all_resident``): the control, on the same machine, minutes apart.
 
 The report: ``{"swap_in_ms": {"ram": …, "disk": …}, "cold_start_ms": …, "hot_p95_ms": …,
 "hot_p99_ms": …, "cold_requests_served": …, "lost": …, …}``.
@@ -34,7 +35,7 @@ from ops.lagmon import LagMonitor
 from ops.load import make_texts, percentile
 from ops.procs import spawn_worker, stop_process
 from ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
-from ops.stack import LocalStack, free_port
+from ops.stack import LocalStack, StackInfo, free_port
 from producers import Client
 from topics import ColdStart, DeadlineExceeded, KinferError, Overloaded
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
@@ -96,27 +97,41 @@ def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: floa
     }
     stack = LocalStack()
     info, started = stack.up()
-    worker = None
     try:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(),
                                                    *(t for n in names for t in model_topic_specs(n, 3))]))
-        spec = resolve_model("minilm")
-        port = free_port()
-        flags = [a for n in names[1:] for a in ("--model", n)]
-        worker = spawn_worker(info, names[0], *flags, "--family", "embedding", "--path", str(spec.path),
-                              "--memory-budget", str(budget), "--host-memory-budget", str(host),
-                              "--swap-quantum-s", str(quantum_s), "--metrics-port", str(port),
-                              log_path=os.path.join(info.home, "bench-placement-worker.log"))
-        run = asyncio.run(_mixed_load(info.bootstrap, info.redis_url, names, weights, hot, rate, seconds,
-                                      deadline_ms, seed, worker))
-        report.update(run)
-        report["worker_swap_ins"] = _swap_ins(port)
+        # The control first: the same load with a budget that holds every model (nothing swaps).
+        everything = round(footprint_gib * (models + 0.5), 4)
+        _log("control: a budget for every model")
+        control = _one_run(info, names, weights, hot, everything, 0.0, quantum_s, rate, seconds, deadline_ms, seed)
+        report["all_resident"] = {k: control[k] for k in ("hot_p50_ms", "hot_p95_ms", "hot_p99_ms", "hot_ok_fraction",
+                                                          "cold_p50_ms", "outcomes", "worker_swap_ins")}
+        _log(f"budget for {resident} of {models}")
+        report.update(_one_run(info, names, weights, hot, budget, host, quantum_s, rate, seconds, deadline_ms, seed))
     finally:
-        if worker is not None:
-            stop_process(worker)
         if started:
             stack.down()
     return report
+
+
+def _one_run(info: StackInfo, names: list[str], weights: list[float], hot: int, budget: float, host: float,
+             quantum_s: float, rate: float, seconds: float, deadline_ms: int, seed: int) -> dict[str, Any]:
+    """One worker registering every model under ``budget`` GiB, the Zipf load through it, its swap-ins."""
+    from consumers.runners.registry import resolve_model
+
+    port = free_port()
+    flags = [a for n in names[1:] for a in ("--model", n)]
+    worker = spawn_worker(info, names[0], *flags, "--family", "embedding", "--path", str(resolve_model("minilm").path),
+                          "--memory-budget", str(budget), "--host-memory-budget", str(host),
+                          "--swap-quantum-s", str(quantum_s), "--metrics-port", str(port),
+                          log_path=os.path.join(info.home, f"bench-placement-worker-{budget:g}.log"))
+    try:
+        run = asyncio.run(_mixed_load(info.bootstrap, info.redis_url, names, weights, hot, rate, seconds,
+                                      deadline_ms, seed, worker))
+        run["worker_swap_ins"] = _swap_ins(port)
+    finally:
+        stop_process(worker)
+    return run
 
 
 def _swap_ins(port: int) -> dict[str, dict[str, float]]:
@@ -144,7 +159,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 async def _mixed_load(bootstrap: str, redis_url: str, names: list[str], weights: list[float], hot: int, rate: float,
                       seconds: float, deadline_ms: int, seed: int, worker: Any) -> dict[str, Any]:
-    monitor = LagMonitor(bootstrap, redis_url, models=names, interval_s=0.25)
+    monitor = LagMonitor(bootstrap, redis_url, models=names)
     stop = asyncio.Event()
     watching = asyncio.create_task(monitor.run(stop))
     try:

@@ -159,21 +159,38 @@ class Offsets:
 
 async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, model: str) -> Offsets | None:
     """The model's offsets by priority; None when it has no request topics."""
-    described = await admin.describe_topics(request_topics(model))
+    return (await read_offsets_many(admin, consumer, [model])).get(model)
+
+
+async def read_offsets_many(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer,
+                            models: list[str]) -> dict[str, Offsets]:
+    """Offsets by priority of each model that has request topics: one metadata request and one
+    ListOffsets for all of them, then each group's committed offsets (a request per group)."""
+    described = await admin.describe_topics([t for model in models for t in request_topics(model)])
     parts = [TopicPartition(t["topic"], p["partition"]) for t in described if t["error_code"] == 0
              for p in t["partitions"]]
     if not parts:
-        return None
+        return {}
     ends = await consumer.end_offsets(parts)
-    committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=parts)
-    done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in parts}
-    lag, end = [0, 0, 0], [0, 0, 0]
+    by_model: dict[str, list[TopicPartition]] = {}
     for tp in parts:
-        p = int(parse_request_topic(tp.topic)[1])
-        lag[p] += max(0, ends[tp] - done[tp])
-        end[p] += ends[tp]
-    counts = [len(t["partitions"]) for t in described if t["error_code"] == 0]
-    return Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()), min(counts))
+        by_model.setdefault(parse_request_topic(tp.topic)[0], []).append(tp)
+    counts: dict[str, list[int]] = {}
+    for t in described:
+        if t["error_code"] == 0:
+            counts.setdefault(parse_request_topic(t["topic"])[0], []).append(len(t["partitions"]))
+    out = {}
+    for model, mine in by_model.items():
+        committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=mine)
+        done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in mine}
+        lag, end = [0, 0, 0], [0, 0, 0]
+        for tp in mine:
+            p = int(parse_request_topic(tp.topic)[1])
+            lag[p] += max(0, ends[tp] - done[tp])
+            end[p] += ends[tp]
+        out[model] = Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()),
+                             min(counts[model]))
+    return out
 
 
 async def cluster_replication(bootstrap: str) -> int:
