@@ -10,7 +10,8 @@ The rule:
 
 - A model with records waiting and no place on the device is *wanted*, the longest-waiting first:
   at the first record when nobody has it warm (it is cold), or, when other workers have it warm, once
-  ``prefetch_lag`` records wait — a queue forming behind them (prefetch, before it is long).
+  ``prefetch_lag`` records wait and the lag has risen ``prefetch_polls`` polls in a row — a queue
+  forming behind them (prefetch, before it is long; a busy model's steady lag is its work in flight).
 - It takes free room, else the room of resident models that are **idle** (nothing waiting, nothing
   in this process) and worth less than ``protect_ratio`` times it: the least valuable first, value
   being the model's demand (requests, decayed with ``half_life_s``; for the waiting one, its waiting
@@ -50,6 +51,7 @@ class ResidencyPolicy:
     # Records waiting before a model that others have warm is wanted here too (a cold one: the first).
     # Below it the lag is their work in flight (commits are coalesced), not a queue.
     prefetch_lag: int = 100
+    prefetch_polls: int = 3  # ... and the lag has risen this many plans in a row (a queue forming, not noise)
     # An idle model keeps its place against a waiting one worth less than 1/this of it (hysteresis).
     protect_ratio: float = 4.0
 
@@ -62,6 +64,8 @@ class ResidencyPolicy:
             raise ValueError("half_life_s must be > 0 and quantum_s >= 0")
         if self.keep_warm < 0:
             raise ValueError(f"keep_warm must be >= 0, got {self.keep_warm}")
+        if self.prefetch_lag < 1 or self.prefetch_polls < 1 or self.protect_ratio <= 0:
+            raise ValueError("prefetch_lag and prefetch_polls must be >= 1 and protect_ratio > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,8 @@ class _Model:
     last_used: float = -math.inf
     tier_since: float = 0.0  # when it entered its tier
     waiting_since: float | None = None  # off the device with records waiting, since
+    last_waiting: int = 0  # records waiting at the last plan
+    rising: int = 0  # plans in a row that saw its lag rise
 
 
 class Residency:
@@ -130,8 +136,13 @@ class Residency:
     def models(self, tier: Tier | None = None) -> list[str]:
         return [m.name for m in self._models.values() if tier is None or m.tier == tier]
 
+    def place(self, name: str, tier: Tier, now: float) -> None:
+        """The model is in ``tier`` whatever was planned (a move failed, or was not made): the shell says so."""
+        m = self._models[name]
+        m.tier, m.tier_since = tier, now
+
     def touch(self, name: str, now: float, requests: int = 1) -> None:
-        """``requests`` of the model were fetched (resident) or seen waiting: demand."""
+        """``requests`` of the model were fetched: demand."""
         m = self._models[name]
         m.demand = self._decayed(m, now) + requests
         m.demand_at = now
@@ -164,8 +175,13 @@ class Residency:
         moves: list[Move] = []
         for m in self._models.values():
             d = seen.get(m.name, idle)
-            queue = d.waiting >= (self.policy.prefetch_lag if d.replicas > 0 else 1)
-            if m.tier == Tier.DEVICE or not queue:
+            m.rising = m.rising + 1 if d.waiting > m.last_waiting else 0
+            m.last_waiting = d.waiting
+            if d.replicas > 0:  # warm elsewhere: only a queue forming behind them
+                queue = d.waiting >= self.policy.prefetch_lag and m.rising >= self.policy.prefetch_polls
+            else:
+                queue = d.waiting >= 1
+            if m.tier == Tier.DEVICE or not (queue or (m.waiting_since is not None and d.waiting > 0)):
                 m.waiting_since = None
             elif m.waiting_since is None:
                 m.waiting_since = now
@@ -200,9 +216,10 @@ class Residency:
                 room += v.footprint
             if room < need:
                 continue  # not enough room yet: wait (maybe a drained model becomes idle)
-            busy = [v for v in chosen if seen.get(v.name, idle).busy]
-            if busy:
-                drain.update(v.name for v in busy)  # evicted once they have finished what they hold
+            if any(seen.get(v.name, idle).busy for v in chosen):
+                # All of them stop fetching, the idle ones too: drained one by one, each would start
+                # again while the next finishes, and they might never be idle together.
+                drain.update(v.name for v in chosen)
                 continue
             for v in chosen:
                 moves += self._evict(v, now)

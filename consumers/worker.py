@@ -12,6 +12,11 @@ connection. Tasks on one event loop, none of which awaits while changing shared 
     publish tasks           replies out (one Redis pipeline per batch), then their offsets are done
     commit loop             commits, at most every ``commit_interval_ms``, the highest offsets
                             whose replies are out
+    report loop             where each model's weights are, to ``kinfer:residency`` every 2 s
+    residency loop          (under ``memory_budget``) each model's lag → ``batcher.residency`` →
+                            swaps, one at a time: drain, commit, leave the group, offload; or load,
+                            warm up, join. A feed has a consumer only while its model is warm
+    demand loop             (under ``memory_budget``) producers' notes that a cold model was wanted
 
 At-least-once: an offset is committed only after the reply for it (and for everything before it
 in its partition) has been published. Commits are coalesced: a worker that dies loses nothing, and
@@ -30,7 +35,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +50,7 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
 from batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
-from batcher.residency import Demand, Residency, ResidencyPolicy, Tier
+from batcher.residency import Demand, Move, Residency, ResidencyPolicy, Tier
 from consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
 from consumers.observer import Observers
 from consumers.offsets import OffsetTracker
@@ -82,6 +87,10 @@ log = logging.getLogger(__name__)
 # caller has already given up with DeadlineExceeded, which is its terminal state.
 PUBLISH_GRACE_MS = 5_000
 
+# A model whose swap failed (weights that do not load, a join the broker refused) is not tried again
+# before this long: the worker goes on serving the others.
+SWAP_RETRY_S = 30.0
+
 # The share of the in-process buffer each priority may fill before its partitions pause.
 _BUFFER_SHARE = {Priority.P0: 1.0, Priority.P1: 0.75, Priority.P2: 0.5}
 
@@ -94,6 +103,9 @@ class WorkerSettings:
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     gen_policy: GenPolicy = field(default_factory=GenPolicy)  # for generator models
     weights: dict[str, float] = field(default_factory=dict)  # fair-share weight by model (default 1)
+    # Declared device footprint by model, GiB (weights and the KV cache it reserves: what a placement
+    # planned with); the residency budget counts the larger of it and the weights measured once loaded.
+    footprints: dict[str, float] = field(default_factory=dict)
     fair_quantum_ms: float = 50.0  # compute a model may use per turn; co-located, also the longest batch
     limits: Limits = DEFAULT_LIMITS
     device: str = "auto"  # "auto" picks CUDA when available
@@ -159,9 +171,10 @@ class WorkerSettings:
             raise ValueError(f"memory_budget must be > 0 GiB, got {self.memory_budget}")
         if self.host_memory_budget < 0 or self.keep_warm < 0 or self.swap_quantum_s < 0:
             raise ValueError("host_memory_budget, keep_warm and swap_quantum_s must be >= 0")
-        unknown = set(self.weights) - set(names)
-        if unknown:
-            raise ValueError(f"weights for models this worker does not host: {sorted(unknown)}")
+        for what, table in (("weights", self.weights), ("footprints", self.footprints)):
+            unknown = set(table) - set(names)
+            if unknown:
+                raise ValueError(f"{what} for models this worker does not host: {sorted(unknown)}")
 
 
 def _leave_on_stop(consumer: AIOKafkaConsumer) -> None:
@@ -194,10 +207,13 @@ class _Feed:
     fetching: asyncio.Task[None] | None = None
     assigned: asyncio.Event = field(default_factory=asyncio.Event)  # partitions came with the last join
     swap_in_ms: dict[str, float] = field(default_factory=dict)  # last measured, by source tier
+    retry_at: float = 0.0  # a failed swap: not tried again before this (monotonic)
+    running: int = 0  # model calls of it in the executor now
 
     def busy(self) -> bool:
-        """Requests of it in this process: buffered, running, or replies not yet out."""
-        return self.core.has_work() or self.core.buffered() > 0 or self.tracker.in_flight() > 0
+        """Requests of it in this process: buffered, running, or replies not yet out (a running call
+        counts by itself: a rebalance may have dropped its offsets from the tracker)."""
+        return self.running > 0 or self.core.has_work() or self.core.buffered() > 0 or self.tracker.in_flight() > 0
 
     @property
     def name(self) -> str:
@@ -246,10 +262,16 @@ class Worker:
                 device_budget=int(settings.memory_budget * GIB), host_budget=int(settings.host_memory_budget * GIB),
                 quantum_s=settings.swap_quantum_s, keep_warm=settings.keep_warm, prefetch_lag=settings.prefetch_lag))
             for spec in settings.models:
-                self.residency.register(spec.name, estimate_footprint(spec), settings.weights.get(spec.name, 1.0))
-        # Swaps load weights here, beside the model calls (on a GPU a copy overlaps other models' compute).
+                declared = settings.footprints.get(spec.name)
+                footprint = int(declared * GIB) if declared is not None else estimate_footprint(spec)
+                self.residency.register(spec.name, footprint, settings.weights.get(spec.name, 1.0))
+        # Swaps load weights on a thread of their own: the model calls of the other models go on meanwhile
+        # (on a GPU the copy shares the default stream with their kernels; it does not overlap them).
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kinfer-load")
-        self._demanded: set[str] = set()  # cold models producers asked for (kinfer:demand) since the last plan
+        # Cold models producers asked for (kinfer:demand), wanted until then: notes come at most once a
+        # second, and a model must stay wanted for a quantum before it may take a busy model's place.
+        self._demanded: dict[str, float] = {}
+        self._unservable: set[str] = set()
 
     def stop(self) -> None:
         """Graceful stop: stop fetching, finish buffered work, reply, commit, leave the groups."""
@@ -271,9 +293,9 @@ class Worker:
                 feed = self.feeds[move.model]
                 if move.to == Tier.DEVICE:
                     await self._swap_in(feed, Tier.DISK, join=False)
-                else:  # weights in host RAM, ready to be copied in when wanted
-                    await self._load(feed, self._runner_call(feed, "load"))
-                    await self._load(feed, self._runner_call(feed, "offload"))
+                else:  # weights in host RAM, warmed up once, ready to be copied in when wanted
+                    await self._load(feed, functools.partial(bring_in, feed.core.runner, False))
+                    await self._load(feed, feed.core.runner.offload)
                     feed.tier = Tier.HOST
             cold = [name for name, feed in self.feeds.items() if feed.tier != Tier.DEVICE]
             log.info("memory budget %.2f GiB: resident %s; registered, not resident: %s", s.memory_budget,
@@ -331,7 +353,12 @@ class Worker:
             max_poll_interval_ms=s.max_poll_interval_ms,
             fetch_max_wait_ms=s.fetch_max_wait_ms,
         )
-        await consumer.start()
+        try:
+            await consumer.start()
+        except BaseException:
+            with contextlib.suppress(KafkaError):
+                await consumer.stop()
+            raise
         feed.assigned.clear()
         consumer.subscribe(request_topics(feed.name), listener=_Rebalance(self, feed))
         feed.consumer = consumer
@@ -368,9 +395,10 @@ class Worker:
             log.info("%s: loading from %s (%s)", feed.name, source.name.lower(), feed.core.spec.family)
             await self._load(feed, functools.partial(bring_in, feed.core.runner, source == Tier.HOST))
             if self.residency is not None:
-                self.residency.resize(feed.name, feed.core.runner.footprint_bytes())
+                declared = int(self.settings.footprints.get(feed.name, 0.0) * GIB)
+                self.residency.resize(feed.name, max(declared, feed.core.runner.footprint_bytes()))
             feed.tier = Tier.DEVICE
-            if join:
+            if join and not self._stopping.is_set():  # stopping: joining would only move partitions twice
                 await self._join(feed)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(feed.assigned.wait(), self.settings.session_timeout_ms / 1000.0 * 2)
@@ -384,13 +412,12 @@ class Worker:
     async def _swap_out(self, feed: _Feed, to: Tier) -> None:
         if feed.tier == Tier.DEVICE:
             await self._leave(feed)
+            if self._stopping.is_set():  # the drain ended it: the weights go with the process
+                return
             log.info("%s: swapped out to %s", feed.name, to.name.lower())
-        await self._load(feed, self._runner_call(feed, "offload" if to == Tier.HOST else "unload"))
+        runner = feed.core.runner
+        await self._load(feed, runner.offload if to == Tier.HOST else runner.unload)
         feed.tier = to
-
-    def _runner_call(self, feed: _Feed, name: str) -> Callable[[], None]:
-        call: Callable[[], None] = getattr(feed.core.runner, name)
-        return call
 
     async def _load(self, feed: _Feed, call: Callable[[], None]) -> None:
         await asyncio.get_running_loop().run_in_executor(self._loader, call)
@@ -415,26 +442,56 @@ class Worker:
                     if name in plan.drain and not feed.draining:
                         log.info("%s: draining (held the device a quantum; another model waits)", name)
                     feed.draining = name in plan.drain or feed.leaving
-                for name in plan.unservable:
+                for name in plan.unservable - self._unservable:
                     log.warning("%s: larger than the memory budget, cannot be served here", name)
-                for move in plan.moves:
-                    if self._stopping.is_set():
-                        break
-                    feed = self.feeds[move.model]
-                    if move.to == Tier.DEVICE:
-                        await self._swap_in(feed, move.source)
-                    else:
-                        await self._swap_out(feed, move.to)
+                self._unservable = set(plan.unservable)
+                await self._make(plan.moves)
+
+    async def _make(self, moves: list[Move]) -> None:
+        """The plan's moves, in order. One that fails (weights that do not load, a broker that refuses the
+        join) puts the model back on disk and out of the plans for ``SWAP_RETRY_S``; the moves after it
+        are not made, and the policy is told where everything really is. The worker goes on serving."""
+        assert self.residency is not None
+        for i, move in enumerate(moves):
+            feed = self.feeds[move.model]
+            if self._stopping.is_set():
+                self._unplan(moves[i:])
+                return
+            try:
+                if move.to == Tier.DEVICE:
+                    await self._swap_in(feed, move.source)
+                else:
+                    await self._swap_out(feed, move.to)
+            except Exception:
+                log.exception("%s: swap to %s failed; it stays on disk for %.0f s", feed.name,
+                              move.to.name.lower(), SWAP_RETRY_S)
+                await self._stop_consumer(feed)
+                with contextlib.suppress(Exception):
+                    await self._load(feed, feed.core.runner.unload)
+                feed.tier, feed.loading, feed.retry_at = Tier.DISK, False, time.monotonic() + SWAP_RETRY_S
+                self.residency.place(feed.name, Tier.DISK, time.monotonic())
+                self._unplan(moves[i + 1:])
+                return
+
+    def _unplan(self, moves: list[Move]) -> None:
+        """Moves planned but not made: the policy learns that their models stayed where they were."""
+        assert self.residency is not None
+        for move in reversed(moves):
+            self.residency.place(move.model, move.source, time.monotonic())
 
     async def _demand(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer) -> dict[str, Demand]:
         """Per model: its records waiting in Kafka, whether this process holds any, its warm replicas
         (asked only where they decide something: ``keep_warm``, or a model off the device that has
         records waiting — a cold one is wanted at once, one warm elsewhere past ``prefetch_lag``)."""
         offsets = await read_offsets_many(admin, consumer, list(self.feeds))
-        demanded, self._demanded = self._demanded, set()
+        now = time.monotonic()
+        self._demanded = {name: until for name, until in self._demanded.items() if until > now}
         waiting = {name: sum(offsets[name].lag) if name in offsets else 0 for name in self.feeds}
-        for name in demanded:
+        for name in self._demanded:
             waiting[name] = max(waiting[name], 1)
+        for name, feed in self.feeds.items():
+            if feed.retry_at > now:  # its last swap failed: not wanted until it may be tried again
+                waiting[name] = 0
         asked = [name for name, feed in self.feeds.items()
                  if self.settings.keep_warm or (feed.tier != Tier.DEVICE and waiting[name] > 0)]
         members = await group_members(admin, [consumer_group(name) for name in asked])
@@ -443,19 +500,33 @@ class Worker:
 
     async def _demand_loop(self, redis: aioredis.Redis) -> None:
         """Producers that refused a request for a cold model say so here: a reason to swap it in."""
-        pubsub = redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(DEMAND_CHANNEL)
-        try:
-            while not self._drained.is_set():
-                msg = await pubsub.get_message(timeout=0.5)
-                if msg is None or msg.get("type") != "message":
-                    continue
-                with contextlib.suppress(MalformedRecord):
-                    model = DemandNote.unpack(msg["data"]).model
-                    if model in self.feeds and self.feeds[model].tier != Tier.DEVICE:
-                        self._demanded.add(model)
-        finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+        hold_s = self.settings.swap_quantum_s + 2 * self.settings.residency_interval_s
+        async for data in self._subscribed(redis, DEMAND_CHANNEL):
+            with contextlib.suppress(MalformedRecord):
+                model = DemandNote.unpack(data).model
+                if model in self.feeds and self.feeds[model].tier != Tier.DEVICE:
+                    self._demanded[model] = time.monotonic() + hold_s
+
+    async def _subscribed(self, redis: aioredis.Redis, channel: str) -> AsyncIterator[bytes]:
+        """Messages on ``channel`` until the worker has drained; through Redis outages (it resubscribes:
+        these notes are best effort, and a worker must not die of a Redis restart)."""
+        backoff = Backoff()
+        while not self._drained.is_set():
+            pubsub = redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                backoff.reset()
+                while not self._drained.is_set():
+                    msg = await pubsub.get_message(timeout=0.5)
+                    if msg is not None and msg.get("type") == "message" and isinstance(msg["data"], bytes):
+                        yield msg["data"]
+            except (RedisError, OSError) as exc:
+                log.warning("%s: Redis unavailable, resubscribing: %s", channel, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drained.wait(), backoff.next_delay())
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _report_loop(self, redis: aioredis.Redis) -> None:
         """Where this worker's weights are, every couple of seconds (``kinfer:residency``), for the lag
@@ -652,12 +723,15 @@ class Worker:
 
     async def _run(self, feed: _Feed, work: Work) -> None:
         started = time.monotonic()
+        feed.running += 1
         try:
             value = await asyncio.get_running_loop().run_in_executor(self._executor, work.call)
             error = None
         except Exception as exc:  # the core decides: error replies (a batch), or the worker dies (a step)
             log.exception("%s: model call failed", feed.name)
             value, error = None, exc
+        finally:
+            feed.running -= 1
         took = time.monotonic() - started
         self._fair.charge(feed.name, took)
         replies = feed.core.complete(work, Outcome(value, error, started, took))
@@ -709,25 +783,17 @@ class Worker:
 
     async def _cancel_loop(self, redis: aioredis.Redis) -> None:
         """Streams whose client went away: free their slot at the next step (best effort)."""
-        pubsub = redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(CANCEL_CHANNEL)
-        try:
-            while not self._drained.is_set():
-                msg = await pubsub.get_message(timeout=0.5)
-                if msg is None or msg.get("type") != "message":
-                    continue
-                try:
-                    note = msgpack.unpackb(msg["data"], raw=False, max_str_len=256, max_bin_len=64, max_map_len=4)
-                    feed = self.feeds.get(note["model"])
-                    rid, mac = note["id"], note.get("mac")
-                except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError):
-                    continue
-                if not isinstance(mac, bytes):
-                    mac = None
-                if feed is not None and isinstance(rid, str) and feed.core.cancel(rid, mac):
-                    self._wake.set()
-        finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+        async for data in self._subscribed(redis, CANCEL_CHANNEL):
+            try:
+                note = msgpack.unpackb(data, raw=False, max_str_len=256, max_bin_len=64, max_map_len=4)
+                feed = self.feeds.get(note["model"])
+                rid, mac = note["id"], note.get("mac")
+            except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError):
+                continue
+            if not isinstance(mac, bytes):
+                mac = None
+            if feed is not None and isinstance(rid, str) and feed.core.cancel(rid, mac):
+                self._wake.set()
 
     async def _commit_loop(self) -> None:
         """Commit what is done, coalesced: at most one round every ``commit_interval_ms``."""

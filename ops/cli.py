@@ -173,8 +173,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     options = {**_options(args.option), **({"runtime": args.runtime} if args.runtime else {})}
     specs = tuple(resolve_model(name, args.family, args.path, options) for name in args.model)
     weights = {name: float(w) for name, w in (_options(args.weight) or {}).items()}
+    footprints = {name: float(f) for name, f in (_options(args.footprint) or {}).items()}
     settings = WorkerSettings(
         models=specs,
+        footprints=footprints,
         bootstrap=bootstrap,
         redis_url=redis_url,
         policy=BatchPolicy(**settings_from_args(args, POLICY_FLAGS)),
@@ -587,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--path", help="Hugging Face model directory")
     w.add_argument("--option", action="append", default=[], help="runner option key=value (repeatable)")
     w.add_argument("--weight", action="append", default=[], help="fair-share weight MODEL=W (default 1)")
+    w.add_argument("--footprint", action="append", default=[],
+                   help="declared device footprint MODEL=GIB for --memory-budget (weights and KV cache; default: "
+                        "the weight files' size, then the weights measured once loaded)")
     add_settings_args(w, BatchPolicy, POLICY_FLAGS)
     add_settings_args(w, WorkerSettings, WORKER_FLAGS)
     w.add_argument("--runtime", choices=["auto", "torch", "onnx"],

@@ -50,6 +50,7 @@ LEVEL_CHANGES = Counter("kinfer_health_level_changes_total", "Level changes", ["
 
 STATS_FRESH_MS = 5_000  # a telemetry summary older than this is no evidence (the processor may be down)
 RESIDENCY_FORGET_MS = 600_000  # a residency report this old is a dead worker's: removed
+COLD_GRACE_S = 5.0  # at least this long a cold model's waiting records are its cold start, not a stall
 
 
 def health_topic_spec() -> TopicSpec:
@@ -68,6 +69,7 @@ class LagMonitor:
     stats: dict[str, ModelStats] = field(default_factory=dict)  # fresh telemetry summaries only
     estimators: dict[str, HealthEstimator] = field(default_factory=dict)  # by model
     _changes: list[LevelChange] = field(default_factory=list)  # not yet recorded in Redis
+    _cold_since: dict[str, float] = field(default_factory=dict)  # cold models with records waiting, since
 
     @staticmethod
     async def _telemetry(redis: aioredis.Redis | None, model: str) -> ModelStats | None:
@@ -79,6 +81,21 @@ class LagMonitor:
             return ModelStats.unpack(data) if isinstance(data, bytes) else None
         except (RedisError, OSError, MalformedRecord):
             return None
+
+    def _cold(self, model: str, warm: int, lag: int, cold_start_ms: float | None, loading: bool) -> bool:
+        """Cold, and believed to be coming: no worker has it warm, one has it registered (it swaps it in
+        when records wait), and either one is loading it or its records have waited less than twice the
+        cold start (at least ``COLD_GRACE_S``). Its queue not moving is then the cold start, told as
+        such, not a stuck worker. Past that nobody is coming (the model is larger than any budget, its
+        swaps fail, or it starves): the stall counts again, and the level refuses explicitly."""
+        if warm != 0 or cold_start_ms is None:
+            self._cold_since.pop(model, None)
+            return False
+        if lag == 0:
+            self._cold_since.pop(model, None)
+            return True
+        since = self._cold_since.setdefault(model, time.monotonic())
+        return loading or time.monotonic() - since < max(COLD_GRACE_S, 2 * cold_start_ms / 1000.0)
 
     @staticmethod
     async def _residency(redis: aioredis.Redis | None) -> list[WorkerResidency]:
@@ -126,7 +143,9 @@ class LagMonitor:
     ) -> list[HealthState]:
         models = self.models or served_models(await admin.list_topics())
         members = await group_members(admin, [consumer_group(model) for model in models])
-        cold_starts = cold_start_estimates(await self._residency(redis), now_ms())
+        reports = await self._residency(redis)
+        cold_starts = cold_start_estimates(reports, now_ms())
+        loading = loading_models(reports, now_ms())
         states = []
         measured = now_ms()  # before the offsets: producers count their sends from here
         read = await read_offsets_many(admin, consumer, models)
@@ -144,9 +163,7 @@ class LagMonitor:
             else:
                 self.stats.pop(model, None)
             warm = members.get(consumer_group(model), -1)
-            # Cold: no worker has it warm, and one has it registered (it swaps it in when records wait).
-            # Its queue not moving is the cold start, reported as such, not a stuck worker.
-            cold = warm == 0 and model in cold_starts
+            cold = self._cold(model, warm, lag, cold_starts.get(model), model in loading)
             level = estimator.observe(
                 time.monotonic(), lag, sum(offsets.log_end), offsets.committed_total, offsets.log_end,
                 capacity_rps=stats.capacity_rps if stats is not None and fresh else None,
@@ -180,6 +197,12 @@ class LagMonitor:
             await pipe.execute()
         self._changes = [c for c in self._changes if c.model != state.model]
         await producer.send(HEALTH_TOPIC, data, key=state.model.encode())
+
+
+def loading_models(reports: list[WorkerResidency], now: int) -> set[str]:
+    """Models some worker is swapping in now (fresh reports)."""
+    return {m.model for r in reports if now - r.updated_ms <= RESIDENCY_FRESH_MS for m in r.models
+            if m.tier == "loading"}
 
 
 def cold_start_estimates(reports: list[WorkerResidency], now: int) -> dict[str, float]:

@@ -281,6 +281,9 @@ def _worker_command(models: Sequence[ModelLoad], weights: dict[str, float] | Non
     for name, w in (weights or {}).items():
         argv += ["--weight", f"{name}={w:g}"]
     if budget is not None:  # a dedicated worker has no budget: its one model stays resident
+        # The footprints planned with (weights and KV cache), so the worker budgets what was planned.
+        for m in models:
+            argv += ["--footprint", f"{m.name}={m.footprint_gib:g}"]
         argv += ["--memory-budget", str(budget), "--keep-warm", str(keep_warm)]
     return tuple(argv), tuple(warnings)
 

@@ -212,7 +212,7 @@ async def _until_resident(client: Client, names: list[str], worker: Any, timeout
     """The worker has loaded what it keeps (resident and in host RAM) and serves its first model."""
     deadline = time.monotonic() + timeout_s
     while True:
-        assert worker.poll() is None, "the worker exited: see bench-placement-worker.log"
+        assert worker.poll() is None, "the worker exited: see bench-placement-worker-<budget>.log in the stack home"
         try:
             await client.infer(names[0], ["ready?"], deadline_ms=10_000)
             return
@@ -223,6 +223,8 @@ async def _until_resident(client: Client, names: list[str], worker: Any, timeout
 
 
 def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int = 0) -> dict[str, Any]:
+    # "cold_requests*": requests to the models beyond the hot ones (the tail, swapped in and out);
+    # "cold_start_ms": only those sent while their model had no warm replica, to their result.
     hot_ok = [o["latency_ms"] for o in outcomes if o["model"] in hot and o["kind"] == "ok"]
     hot_all = [o for o in outcomes if o["model"] in hot]
     cold = [o for o in outcomes if o["model"] not in hot]

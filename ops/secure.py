@@ -561,8 +561,8 @@ def redis_rules(secrets: Secrets, version: tuple[int, int] = (7, 0)) -> dict[str
     residency, demand = f"~{RESIDENCY_KEY}", f"&{DEMAND_CHANNEL}"
     rules: dict[str, list[str]] = {
         ADMIN: ["~*", "&*", "+@all"],
-        # Replies to every client's channel; cancellations and cold models' demand notes in; its own
-        # entry of the residency hash.
+        # Replies to every client's channel; cancellations and cold models' demand notes in; the
+        # residency hash (Redis ACLs cannot confine a worker to its own field of it: workers are trusted).
         WORKER: [*base, residency, "+hset", "+hdel", f"(+publish {reply_any})",
                  f"(+subscribe &kinfer:cancel {demand})"],
         # Reads telemetry summaries and the residency hash (forgets dead workers' entries), writes the
@@ -570,8 +570,9 @@ def redis_rules(secrets: Secrets, version: tuple[int, int] = (7, 0)) -> dict[str
         LAGMON: [*base, "%R~kinfer:stats:*", "~kinfer:health:*", "~kinfer:decisions", residency,
                  "+get", "+set", "+lpush", "+ltrim", "+hgetall", "+hdel", "(+publish &kinfer:health)"],
         TELEMETRY: [*base, "~kinfer:stats:*", "+set"],
-        AUTOSCALER: [*base, "%R~kinfer:stats:*", "%R~kinfer:health:*", "~kinfer:autoscale:*",
-                     "+get", "+set", "+lpush", "+ltrim"],
+        # It runs the lag monitor's poll too: the residency hash read (cold models), not pruned.
+        AUTOSCALER: [*base, "%R~kinfer:stats:*", "%R~kinfer:health:*", "~kinfer:autoscale:*", f"%R{residency}",
+                     "+get", "+set", "+lpush", "+ltrim", "+hgetall"],
         # Its own reply channels and health notifications in, cancellations out, health keys read;
         # its shared per-tenant rate-limit buckets (producers.ratelimit: one Lua script, run by
         # EVALSHA, loaded by SCRIPT LOAD, whose calls Redis checks against these rules too).

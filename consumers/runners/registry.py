@@ -29,7 +29,11 @@ def estimate_footprint(spec: ModelSpec) -> int:
         return int(float(spec.options.get("footprint_mb", 0.0)) * (1 << 20))
     if spec.path is None or not Path(spec.path).is_dir():
         return 0
-    return sum(p.stat().st_size for p in Path(spec.path).iterdir() if p.suffix in _WEIGHT_FILES)
+    files = [p for p in Path(spec.path).iterdir() if p.suffix in _WEIGHT_FILES and not p.name.startswith("training_")]
+    # A directory shipping both formats loads the safetensors: count one copy of the weights.
+    if any(p.suffix == ".safetensors" for p in files):
+        files = [p for p in files if p.suffix == ".safetensors"]
+    return sum(p.stat().st_size for p in files)
 
 
 def minilm_path() -> Path:

@@ -164,3 +164,20 @@ def test_cold_start_estimates_take_the_fastest_fresh_worker_from_the_tier_its_we
     # a: w1 has it on disk (900), w2 in host RAM (120): 120. b is warm on w1: nobody would swap it in.
     # c is being loaded: its slowest measured tier. d: registered, never measured.
     assert cold_start_estimates(reports, now) == {"a": 120.0, "c": 700.0, "d": 0.0}
+
+
+def test_a_cold_model_that_nobody_brings_back_is_a_stall_again() -> None:
+    import time
+
+    from ops.lagmon import COLD_GRACE_S, LagMonitor
+
+    m = LagMonitor("unused:9092", "redis://unused")
+    assert not m._cold("a", warm=1, lag=5, cold_start_ms=800.0, loading=False)  # warm somewhere
+    assert not m._cold("a", warm=0, lag=5, cold_start_ms=None, loading=False)  # nobody has it registered
+    assert m._cold("a", warm=0, lag=0, cold_start_ms=800.0, loading=False)  # registered, nothing waits
+    assert m._cold("a", warm=0, lag=5, cold_start_ms=800.0, loading=False)  # records start waiting
+    m._cold_since["a"] = time.monotonic() - COLD_GRACE_S - 1  # ...and nobody came for them
+    assert not m._cold("a", warm=0, lag=5, cold_start_ms=800.0, loading=False)
+    assert m._cold("a", warm=0, lag=5, cold_start_ms=800.0, loading=True)  # unless a worker is loading it
+    m._cold_since["a"] = time.monotonic() - COLD_GRACE_S - 1
+    assert m._cold("a", warm=0, lag=5, cold_start_ms=10_000.0, loading=False)  # twice a long cold start

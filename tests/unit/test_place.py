@@ -181,6 +181,19 @@ def test_the_new_worker_flags_round_trip() -> None:
     shared = next(pool for pool in p.pools if pool.kind == "colocated")
     args = parses(shared.command)
     assert args.memory_budget == 72.0 and args.keep_warm == 0
+    # The worker's residency policy, given the command, starts as planned: every resident model on the
+    # device (and of the swapped ones what fits beside them: the budget is the GPU's usable memory).
+    from batcher.residency import Residency, ResidencyPolicy, Tier
+
+    gib = 1 << 30
+    footprints = {k: float(v) for k, v in (f.split("=") for f in args.footprint)}
+    assert set(footprints) == set(shared.models)
+    worker = Residency(ResidencyPolicy(int(args.memory_budget * gib)))
+    for name in args.model:
+        worker.register(name, int(footprints[name] * gib))
+    worker.initial(0.0)
+    on_device = set(worker.models(Tier.DEVICE))
+    assert set(shared.resident) <= on_device and worker.used(Tier.DEVICE) <= args.memory_budget * gib
 
 
 # --- the rule, by example ---------------------------------------------------------------------------

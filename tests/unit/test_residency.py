@@ -202,11 +202,16 @@ def test_a_model_warm_elsewhere_is_prefetched_only_when_a_queue_forms() -> None:
     r.register("c", 100 * MB)
     # c is warm on another worker: its lag of 10 is that worker's work in flight, not a queue.
     assert r.plan(1.0, {"c": Demand(waiting=10, replicas=1)}).moves == []
-    # A queue forms behind it: this worker swaps it in too, before the queue is long.
-    assert r.plan(2.0, {"c": Demand(waiting=60, replicas=1)}).moves[-1].model == "c"
+    # Steady lag over the threshold is still their work in flight; a queue forming (rising three polls
+    # in a row) brings it here too, before it is long.
+    assert r.plan(2.0, {"c": Demand(waiting=60, replicas=1)}).moves == []
+    assert r.plan(2.5, {"c": Demand(waiting=55, replicas=1)}).moves == []
+    assert r.plan(3.0, {"c": Demand(waiting=70, replicas=1)}).moves == []
+    assert r.plan(3.5, {"c": Demand(waiting=90, replicas=1)}).moves == []
+    assert r.plan(4.0, {"c": Demand(waiting=120, replicas=1)}).moves[-1].model == "c"
     # Cold (nobody has it warm): the first record is enough.
     r.register("d", 100 * MB)
-    assert r.plan(3.0, {"d": Demand(waiting=1, replicas=0)}).moves[-1].model == "d"
+    assert r.plan(5.0, {"d": Demand(waiting=1, replicas=0)}).moves[-1].model == "d"
 
 
 def test_a_hot_model_idle_between_two_requests_keeps_its_place_against_a_rare_one() -> None:
@@ -227,3 +232,30 @@ def test_a_hot_model_idle_between_two_requests_keeps_its_place_against_a_rare_on
     r2.touch("hot", 1.0, 100)
     assert r2.plan(2.0, {"rare": Demand(waiting=1)}).moves == []
     assert [m.model for m in r2.plan(13.0, {"rare": Demand(waiting=1)}).moves] == ["hot", "rare"]
+
+
+def test_two_busy_models_drain_together_so_a_large_one_gets_in() -> None:
+    """Both must be idle at once to make room: the drain holds every chosen victim, the idle one too."""
+    r = residency(200, quantum_s=1.0)
+    r.register("a", 100 * MB)
+    r.register("b", 100 * MB)
+    r.register("w", 200 * MB)
+    r.initial(0.0)
+    assert r.plan(0.5, {"a": Demand(9, True), "b": Demand(9, True), "w": Demand(5)}).drain == set()
+    assert r.plan(2.0, {"a": Demand(9, True), "b": Demand(9, True), "w": Demand(5)}).drain == {"a", "b"}
+    # a has finished what it held, b has not: a stays drained (it would otherwise fetch again).
+    assert r.plan(2.5, {"a": Demand(9), "b": Demand(9, True), "w": Demand(5)}).drain == {"a", "b"}
+    moves = r.plan(3.0, {"a": Demand(9), "b": Demand(9), "w": Demand(5)}).moves
+    assert [m.model for m in moves] == ["a", "b", "w"]
+
+
+def test_a_failed_move_is_put_back() -> None:
+    r = residency(100)
+    r.register("a", 100 * MB)
+    r.register("b", 100 * MB)
+    r.initial(0.0)
+    moves = r.plan(1.0, {"b": Demand(waiting=1)}).moves
+    assert r.tier("b") == Tier.DEVICE
+    for m in reversed(moves):  # the swap-in failed: neither move stands
+        r.place(m.model, m.source, 1.5)
+    assert (r.tier("a"), r.tier("b"), r.used(Tier.DEVICE)) == (Tier.DEVICE, Tier.DISK, 100 * MB)
