@@ -19,7 +19,7 @@ from ops.lagmon import LagMonitor
 from ops.stack import StackInfo
 from producers import Client
 from tests.integration.conftest import delete_model_topics
-from topics import ColdStart, Status
+from topics import ColdStart, DeadlineExceeded, Status
 from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 from topics.residency import RESIDENCY_KEY, WorkerResidency
 
@@ -151,3 +151,34 @@ async def until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -
     while not check():
         assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
         await asyncio.sleep(0.1)
+
+
+class _Broken(NoopRunner):
+    """Weights that do not load."""
+
+    def load(self) -> None:
+        raise OSError("corrupt weights")
+
+
+async def test_a_swap_that_fails_leaves_the_worker_serving_the_others(
+    stack: StackInfo, two_models: tuple[str, str], client: Client
+) -> None:
+    a, b = two_models
+    specs = tuple(ModelSpec(n, "noop", options={"footprint_mb": MB}) for n in two_models)
+    settings = WorkerSettings(models=specs, bootstrap=stack.bootstrap, redis_url=stack.redis_url,
+                              memory_budget=1.5 * MB / 1024, residency_interval_s=0.2, worker_id="broken-test")
+    worker = Worker(settings, runners={a: NoopRunner(footprint_mb=MB), b: _Broken(footprint_mb=MB)})
+    serving = asyncio.create_task(worker.run())
+    try:
+        assert (await asyncio.wait_for(client.infer(a, ["x"], deadline_ms=60_000), 90)).status == Status.OK
+        doomed = asyncio.create_task(client.infer(b, ["x"], deadline_ms=3_000))
+        await until(lambda: worker.feeds[b].retry_at > 0, "b's swap tried and failed")
+        assert not serving.done(), "the worker died of one model's failed swap"
+        assert worker.residency is not None and worker.residency.tier(b) == Tier.DISK
+        # a was swapped out to make room, then b failed: a comes back for its next request.
+        assert (await asyncio.wait_for(client.infer(a, ["y"], deadline_ms=60_000), 90)).status == Status.OK
+        with pytest.raises(DeadlineExceeded):
+            await doomed
+    finally:
+        worker.stop()
+        await asyncio.wait_for(serving, 60)
