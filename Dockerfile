@@ -14,6 +14,8 @@ deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
 subprocess.check_call([sys.executable, '-m', 'pip', 'install', *deps])"
 
 COPY README.md ./
+# kinfer/ holds links to the five folders below: the installed package is `kinfer` alone (kinfer.topics, ...).
+COPY kinfer kinfer
 COPY topics topics
 COPY producers producers
 COPY consumers consumers

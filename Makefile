@@ -7,6 +7,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
+# kinfer's caches (Kafka's jars, the built-in tiny-lm, ONNX exports) default to ~/.cache/kinfer; here they
+# stay in the checkout's .cache/ (ignored by git), so CI keeps what it fetched before. The local stack's
+# state is in KINFER_HOME, else ~/.local/state/kinfer.
+export KINFER_CACHE ?= $(CURDIR)/.cache
 
 .PHONY: deps demo test lint typecheck unit stack-down clean
 

@@ -545,12 +545,9 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from kinfer import __version__
 
-    try:
-        return version("kinfer")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -562,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stack", help="the local Kafka + Redis stack")
     s.add_argument("action", choices=["up", "down", "status", "env", "fetch", "acls"],
                    help="acls: apply the secure stack's ACL table again (after new models' topics)")
-    s.add_argument("--home", help="stack folder (default: $KINFER_HOME or .kinfer/)")
+    s.add_argument("--home", help="stack folder (default: $KINFER_HOME, else ~/.local/state/kinfer)")
     s.add_argument("--kafka-port", type=int, help="default: a free port")
     s.add_argument("--redis-port", type=int, help="default: a free port")
     s.add_argument("--brokers", type=int, default=1, help="KRaft nodes in the local cluster (one machine) [1]")

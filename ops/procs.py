@@ -19,7 +19,8 @@ def spawn(info: StackInfo, *args: str, log_path: str | None = None) -> subproces
     """A ``kinfer`` subcommand as a child process on the stack ``info``."""
     env = {**os.environ, **info.env(), "HF_HUB_OFFLINE": "1"}
     with open(log_path or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "ops.cli", *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "ops.cli", *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
 
 
 def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:

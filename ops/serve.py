@@ -60,7 +60,8 @@ def model_alone(model: str, seconds: float) -> dict[str, float]:
     out: dict[str, float] = {}
     for runtime in RUNTIMES:
         for procs, threads, batch in LAYOUTS:
-            cmd = [sys.executable, "-m", "ops.serve", "alone", model, runtime, str(threads), str(batch), str(seconds)]
+            cmd = [sys.executable, "-m", "ops.serve", "alone", model, runtime, str(threads), str(batch),
+                   str(seconds)]
             children = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                         for _ in range(procs)]
             served = {json.loads(c.stdout.readline())["ready"] for c in children}  # type: ignore[union-attr]

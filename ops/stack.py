@@ -1,7 +1,7 @@
 """The local stack: a real KRaft Kafka cluster (one node, or ``--brokers N`` on this one machine)
 and a real Redis on 127.0.0.1.
 
-Kafka's jars come from Maven Central through Maven (pinned version, cached under ``.cache/``);
+Kafka's jars come from Maven Central through Maven (pinned version, cached in ``topics.paths.cache_dir()``);
 Redis is Debian's ``redis-server``. Both run as detached processes whose pids, ports and log files
 are recorded in ``<home>/stack.json``; ``up`` reuses a running stack and restarts only what is down,
 on the ports it had (connected processes reconnect; nothing is stranded); ``down`` stops both and
@@ -35,18 +35,10 @@ from urllib.parse import urlparse
 
 from ops import secure as sec
 from topics.connect import KafkaAuth, kafka_options
+from topics.paths import cache_dir, state_dir
 
 KAFKA_VERSION = "3.9.1"
 SCALA_VERSION = "2.13"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def default_home() -> Path:
-    return Path(os.environ.get("KINFER_HOME", REPO_ROOT / ".kinfer"))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KINFER_CACHE", REPO_ROOT / ".cache"))
 
 
 class StackError(RuntimeError):
@@ -262,7 +254,7 @@ class LocalStack:
         if not 1 <= brokers <= 9:
             raise StackError(f"brokers must be within 1..9, got {brokers}")
         self.restarted: list[str] = []  # what the last ``up`` started
-        self.home = (home or default_home()).resolve()
+        self.home = (home or state_dir()).resolve()
         self.kafka_port = kafka_port
         self.redis_port = redis_port
         self.brokers = brokers

@@ -24,7 +24,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -37,6 +36,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
+from topics.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ _PROBE_TEXTS = (
 
 
 def onnx_cache_root() -> Path:
-    """Where exported models are kept: ``$KINFER_HOME/onnx`` when set, else ``~/.cache/kinfer/onnx``."""
-    home = os.environ.get("KINFER_HOME")
-    return Path(home) / "onnx" if home else Path.home() / ".cache" / "kinfer" / "onnx"
+    """Where exported models are kept: ``onnx`` in ``topics.paths.cache_dir()`` (``$KINFER_CACHE``, else
+    ``$KINFER_HOME``, else ``~/.cache/kinfer``)."""
+    return cache_dir() / "onnx"
 
 
 def _pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from consumers.runners.base import Runner, pick_device
+from topics.paths import cache_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +44,8 @@ def minilm_path() -> Path:
 
 
 def tiny_lm_path() -> Path:
-    """Where the built-in tiny causal LM is written on first use (``$KINFER_CACHE/models/tiny-lm``)."""
-    cache = Path(os.environ.get("KINFER_CACHE", Path(__file__).resolve().parents[2] / ".cache"))
-    return cache / "models" / "tiny-lm"
+    """Where the built-in tiny causal LM is written on first use: ``models/tiny-lm`` in ``cache_dir()``."""
+    return cache_dir() / "models" / "tiny-lm"
 
 
 def builtin_models() -> dict[str, ModelSpec]:

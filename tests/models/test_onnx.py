@@ -40,6 +40,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as mp:
         path = tmp_path_factory.mktemp("kinfer-home")
         mp.setenv("KINFER_HOME", str(path))
+        mp.delenv("KINFER_CACHE", raising=False)  # `make` points it at the checkout's .cache/
         yield path
 
 
