@@ -25,10 +25,10 @@ deps: $(VENV)/.kinfer-deps
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server)
 	@command -v java >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q default-jre-headless)
 	@command -v mvn >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q maven)
-	@$(PY) -m ops.cli stack fetch >/dev/null
+	@$(PY) -m kinfer.ops.cli stack fetch >/dev/null
 
 demo: deps
-	$(PY) -m ops.cli demo
+	$(PY) -m kinfer.ops.cli demo
 
 lint: deps
 	$(PY) -m ruff check .
@@ -43,7 +43,7 @@ unit: deps
 	$(PY) -m pytest tests/unit
 
 stack-down:
-	$(PY) -m ops.cli stack down
+	$(PY) -m kinfer.ops.cli stack down
 
 clean: stack-down
 	rm -rf .kinfer .pytest_cache .mypy_cache .ruff_cache

@@ -7,11 +7,11 @@
 - ``ContinuousScheduler``: iteration-level scheduling for generation (join and leave per step).
 """
 
-from batcher.codel import CoDel
-from batcher.continuous import ContinuousScheduler, Finish, GenPolicy, Sequence, StepPlan
-from batcher.dynamic import Batch, BatchPolicy, Dropped, DynamicBatcher, Pending, Reason
-from batcher.fair import DeficitRoundRobin
-from batcher.service import ServicePrior, ServiceTimeModel
+from kinfer.batcher.codel import CoDel
+from kinfer.batcher.continuous import ContinuousScheduler, Finish, GenPolicy, Sequence, StepPlan
+from kinfer.batcher.dynamic import Batch, BatchPolicy, Dropped, DynamicBatcher, Pending, Reason
+from kinfer.batcher.fair import DeficitRoundRobin
+from kinfer.batcher.service import ServicePrior, ServiceTimeModel
 
 __all__ = [
     "Batch",

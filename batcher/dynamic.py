@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-from batcher.codel import CoDel
-from batcher.service import ServiceTimeModel
+from kinfer.batcher.codel import CoDel
+from kinfer.batcher.service import ServiceTimeModel
 
 T = TypeVar("T")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from batcher import (
+from kinfer.batcher import (
     Batch,
     BatchPolicy,
     ContinuousScheduler,
@@ -38,12 +38,12 @@ from batcher import (
     Reason,
     Sequence,
 )
-from consumers.observer import BatchFacts, Observer, StepFacts
-from consumers.runners.base import BatchRunner, Runner, StepRunner
-from consumers.runners.registry import ModelSpec
-from consumers.runners.sampling import GenInput, Sampling, TokenEvent
-from topics import Chunk, InvalidRequest, Request, Result, Status, Timings, Usage
-from topics.auth import cancel_mac
+from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
+from kinfer.consumers.runners.base import BatchRunner, Runner, StepRunner
+from kinfer.consumers.runners.registry import ModelSpec
+from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
+from kinfer.topics import Chunk, InvalidRequest, Request, Result, Status, Timings, Usage
+from kinfer.topics.auth import cancel_mac
 
 
 @dataclass(slots=True)

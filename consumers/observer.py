@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from topics import Priority, Status
+from kinfer.topics import Priority, Status
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from topics import Reply, ReplyBatch, ReplyRoute, Unavailable, pack, seal
-from topics.names import DLQ_TOPIC
+from kinfer.topics import Reply, ReplyBatch, ReplyRoute, Unavailable, pack, seal
+from kinfer.topics.names import DLQ_TOPIC
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from consumers import metrics
-from consumers.observer import BatchFacts, Observer, StepFacts
-from consumers.telemetry import StatsReporter
-from topics import Priority, Status
-from topics.residency import TIERS
+from kinfer.consumers import metrics
+from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
+from kinfer.consumers.telemetry import StatsReporter
+from kinfer.topics import Priority, Status
+from kinfer.topics.residency import TIERS
 
 
 class PrometheusSink(Observer):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from topics import now_ms
-from topics.stats import STATS_TOPIC, BatchStats, size_bucket
+from kinfer.topics import now_ms
+from kinfer.topics.stats import STATS_TOPIC, BatchStats, size_bucket
 
 log = logging.getLogger(__name__)
 

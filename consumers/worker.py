@@ -49,18 +49,18 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
-from batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
-from batcher.residency import Demand, Move, Residency, ResidencyPolicy, Tier
-from consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
-from consumers.observer import Observers
-from consumers.offsets import OffsetTracker
-from consumers.replies import Delivery, ReplySink
-from consumers.runners import ModelSpec, Runner, build_runner
-from consumers.runners.base import bring_in, default_executors, pick_device, set_threads
-from consumers.runners.registry import GIB, estimate_footprint
-from consumers.sinks import PrometheusSink, StatsSink
-from consumers.telemetry import StatsReporter
-from topics import (
+from kinfer.batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
+from kinfer.batcher.residency import Demand, Move, Residency, ResidencyPolicy, Tier
+from kinfer.consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
+from kinfer.consumers.observer import Observers
+from kinfer.consumers.offsets import OffsetTracker
+from kinfer.consumers.replies import Delivery, ReplySink
+from kinfer.consumers.runners import ModelSpec, Runner, build_runner
+from kinfer.consumers.runners.base import bring_in, default_executors, pick_device, set_threads
+from kinfer.consumers.runners.registry import GIB, estimate_footprint
+from kinfer.consumers.sinks import PrometheusSink, StatsSink
+from kinfer.consumers.telemetry import StatsReporter
+from kinfer.topics import (
     DEFAULT_LIMITS,
     InvalidRequest,
     Limits,
@@ -72,14 +72,14 @@ from topics import (
     decode_request,
     now_ms,
 )
-from topics.admin import group_members, offset_clients, read_offsets_many
-from topics.auth import verifier_from_env
-from topics.backoff import Backoff
-from topics.connect import kafka_options
-from topics.envelope import salvage_route
-from topics.names import CANCEL_CHANNEL, consumer_group, parse_request_topic, request_topics
-from topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY, ModelResidency, WorkerResidency
-from topics.residency import Demand as DemandNote
+from kinfer.topics.admin import group_members, offset_clients, read_offsets_many
+from kinfer.topics.auth import verifier_from_env
+from kinfer.topics.backoff import Backoff
+from kinfer.topics.connect import kafka_options
+from kinfer.topics.envelope import salvage_route
+from kinfer.topics.names import CANCEL_CHANNEL, consumer_group, parse_request_topic, request_topics
+from kinfer.topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY, ModelResidency, WorkerResidency
+from kinfer.topics.residency import Demand as DemandNote
 
 log = logging.getLogger(__name__)
 

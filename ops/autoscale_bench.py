@@ -38,17 +38,17 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from ops.autoscaler import AutoscaleLoop, LocalPool
-from ops.lagmon import LagMonitor
-from ops.load import fire, percentile
-from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
-from ops.scaling import ScalePolicy
-from ops.stack import LocalStack, StackInfo
-from producers import Client
-from topics import DeadlineExceeded, KinferError
-from topics.admin import ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
-from topics.connect import kafka_options
-from topics.names import request_topics
+from kinfer.ops.autoscaler import AutoscaleLoop, LocalPool
+from kinfer.ops.lagmon import LagMonitor
+from kinfer.ops.load import fire, percentile
+from kinfer.ops.procs import spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.scaling import ScalePolicy
+from kinfer.ops.stack import LocalStack, StackInfo
+from kinfer.producers import Client
+from kinfer.topics import DeadlineExceeded, KinferError
+from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
+from kinfer.topics.connect import kafka_options
+from kinfer.topics.names import request_topics
 
 SLA_MS = 250.0  # per request: the P99 bound
 RECOVERED_WAIT_MS = 100.0
@@ -144,7 +144,7 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
                 report["static_peak"] = {**static, "replicas": static_n}
                 report["worker_seconds_ratio"] = round(auto["worker_seconds"] / static["worker_seconds"], 3)
             if plot:
-                from ops.plots import plot_autoscale
+                from kinfer.ops.plots import plot_autoscale
 
                 report["plot"] = plot_autoscale(report, plot)
             return report

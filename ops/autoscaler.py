@@ -41,10 +41,10 @@ from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
-from ops.health import HealthPolicy
-from ops.lagmon import LagMonitor
-from ops.procs import spawn_worker
-from ops.scaling import (
+from kinfer.ops.health import HealthPolicy
+from kinfer.ops.lagmon import LagMonitor
+from kinfer.ops.procs import spawn_worker
+from kinfer.ops.scaling import (
     SCALE_DECISIONS_KEPT,
     SCALE_DECISIONS_KEY,
     Autoscaler,
@@ -54,10 +54,10 @@ from ops.scaling import (
     ScaleState,
     scale_state_key,
 )
-from ops.stack import StackInfo
-from topics import now_ms
-from topics.admin import offset_clients
-from topics.names import consumer_group
+from kinfer.ops.stack import StackInfo
+from kinfer.topics import now_ms
+from kinfer.topics.admin import offset_clients
+from kinfer.topics.names import consumer_group
 
 log = logging.getLogger(__name__)
 

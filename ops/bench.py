@@ -10,15 +10,15 @@ import sys
 import time
 from typing import Any, cast
 
-from consumers.runners import BatchRunner, build_runner, resolve_model
-from consumers.runners.generator import GenInput, Sampling
-from consumers.runners.registry import minilm_path
-from ops.load import make_texts, open_loop, percentile
-from ops.procs import scrape, spawn_worker, stop_process, wait_until_served
-from ops.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, meets_sla
-from ops.stack import LocalStack, StackInfo, free_port
-from producers import Client
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.consumers.runners import BatchRunner, build_runner, resolve_model
+from kinfer.consumers.runners.generator import GenInput, Sampling
+from kinfer.consumers.runners.registry import minilm_path
+from kinfer.ops.load import make_texts, open_loop, percentile
+from kinfer.ops.procs import scrape, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, meets_sla
+from kinfer.ops.stack import LocalStack, StackInfo, free_port
+from kinfer.producers import Client
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 # Worker flags per policy. CoDel is off and deadlines are long in every run, so what is measured
 # is batching alone: throughput at a latency target, not how gracefully overload is refused.
@@ -190,10 +190,10 @@ def bench_generation(requests: int = 96, rate: float = 40.0, max_running: int = 
     long as asked), Poisson arrivals at ``rate``. TTFT and latency are measured from each request's
     scheduled arrival. Both modes see the identical workload on the same loaded model.
     """
-    from batcher import ContinuousScheduler, GenPolicy
-    from consumers.runners.generator import GeneratorRunner
-    from consumers.runners.registry import tiny_lm_path
-    from consumers.runners.tinylm import build_tiny_lm
+    from kinfer.batcher import ContinuousScheduler, GenPolicy
+    from kinfer.consumers.runners.generator import GeneratorRunner
+    from kinfer.consumers.runners.registry import tiny_lm_path
+    from kinfer.consumers.runners.tinylm import build_tiny_lm
 
     path = build_tiny_lm(tiny_lm_path().with_name("bench-lm"), hidden=256, layers=4, eos=False)
     runner = GeneratorRunner(path, max_prompt_tokens=512)
@@ -220,7 +220,7 @@ def bench_generation(requests: int = 96, rate: float = 40.0, max_running: int = 
 
 
 def _drive_generation(runner: Any, sched: Any, workload: list[tuple[float, Any]]) -> dict[str, Any]:
-    from batcher import Sequence
+    from kinfer.batcher import Sequence
 
     arrivals = {g.id: t for t, g in workload}
     inputs = {g.id: g for _, g in workload}

@@ -16,12 +16,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from batcher import BatchPolicy
-from consumers.worker import WorkerSettings
-from ops.scaling import ScalePolicy
-from ops.simulate import SimConfig
-from ops.stack import LocalStack, StackError, apply_stack_env, fetch_kafka, resolve_endpoints
-from topics.errors import KinferError
+from kinfer.batcher import BatchPolicy
+from kinfer.consumers.worker import WorkerSettings
+from kinfer.ops.scaling import ScalePolicy
+from kinfer.ops.simulate import SimConfig
+from kinfer.ops.stack import LocalStack, StackError, apply_stack_env, fetch_kafka, resolve_endpoints
+from kinfer.topics.errors import KinferError
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def _floats(value: str) -> list[float]:
 def cmd_stack(args: argparse.Namespace) -> int:
     import shlex
 
-    from ops.stack import apply_acls
+    from kinfer.ops.stack import apply_acls
 
     stack = LocalStack(Path(args.home) if args.home else None, args.kafka_port, args.redis_port, args.brokers,
                        secure=args.secure)
@@ -81,7 +81,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 
 def cmd_topics(args: argparse.Namespace) -> int:
-    from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+    from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
     bootstrap, _ = resolve_endpoints()
     copies = {"replication": args.replication_factor, "min_insync": args.min_insync_replicas}
@@ -90,7 +90,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
         specs += model_topic_specs(model, args.partitions, **copies)
     for name, count in sorted(asyncio.run(ensure_topics(bootstrap, specs)).items()):
         print(f"{name}\t{count} partitions")
-    from ops.stack import tenant_acls_after_topics
+    from kinfer.ops.stack import tenant_acls_after_topics
 
     tenant_acls_after_topics(bootstrap, args.model)  # a secure local stack: its tenants' ACLs on the new topics
     return 0
@@ -164,10 +164,10 @@ def settings_from_args(args: argparse.Namespace, flags: dict[str, str]) -> dict[
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from consumers.runners import resolve_model
-    from consumers.worker import Worker
-    from topics.admin import ensure_topics, missing_topics, model_topic_specs, shared_topic_specs
-    from topics.names import request_topics
+    from kinfer.consumers.runners import resolve_model
+    from kinfer.consumers.worker import Worker
+    from kinfer.topics.admin import ensure_topics, missing_topics, model_topic_specs, shared_topic_specs
+    from kinfer.topics.names import request_topics
 
     bootstrap, redis_url = resolve_endpoints()
     options = {**_options(args.option), **({"runtime": args.runtime} if args.runtime else {})}
@@ -208,8 +208,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_tenant_key(args: argparse.Namespace) -> int:
-    from topics.auth import TenantCredential, signing_secrets
-    from topics.envelope import TENANT_PATTERN
+    from kinfer.topics.auth import TenantCredential, signing_secrets
+    from kinfer.topics.envelope import TENANT_PATTERN
 
     secrets = signing_secrets()
     if not secrets:
@@ -224,7 +224,7 @@ def cmd_tenant_key(args: argparse.Namespace) -> int:
 def cmd_infer(args: argparse.Namespace) -> int:
     import msgspec
 
-    from producers import Client
+    from kinfer.producers import Client
 
     bootstrap, redis_url = resolve_endpoints()
 
@@ -239,7 +239,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from producers.tenants import Tenants, hash_key, is_loopback
+    from kinfer.producers.tenants import Tenants, hash_key, is_loopback
 
     if args.hash_key:
         print(hash_key(args.hash_key))
@@ -250,8 +250,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                          "every caller")
     import uvicorn
 
-    from producers.gateway import GatewaySettings, create_app
-    from producers.http import guarded_protocol
+    from kinfer.producers.gateway import GatewaySettings, create_app
+    from kinfer.producers.http import guarded_protocol
 
     bootstrap, redis_url = resolve_endpoints()
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
@@ -268,7 +268,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ops.plan import Workload, plan
+    from kinfer.ops.plan import Workload, plan
 
     workload = Workload(
         params=args.params, dtype=args.dtype, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
@@ -302,7 +302,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_place(args: argparse.Namespace) -> int:
-    from ops.place import Fleet, load_models, place, render_k8s, render_table
+    from kinfer.ops.place import Fleet, load_models, place, render_k8s, render_table
 
     fleet = Fleet(gpus=args.gpus, gpu_memory_gib=args.gpu_memory, target_utilisation=args.target_utilisation,
                   dedicated_threshold=args.dedicated_threshold, keep_warm=args.keep_warm,
@@ -320,15 +320,15 @@ def cmd_place(args: argparse.Namespace) -> int:
 
 
 async def _reachable(bootstrap: str, redis_url: str) -> None:
-    from producers import Client
+    from kinfer.producers import Client
 
     async with Client(bootstrap, redis_url, admission=False, tenant="gateway"):
         pass
 
 
 def cmd_lagmon(args: argparse.Namespace) -> int:
-    from ops.health import HealthPolicy
-    from ops.lagmon import LagMonitor
+    from kinfer.ops.health import HealthPolicy
+    from kinfer.ops.lagmon import LagMonitor
 
     bootstrap, redis_url = resolve_endpoints()
     monitor = LagMonitor(bootstrap, redis_url, models=args.model or None, interval_s=args.interval_s,
@@ -363,8 +363,8 @@ SCALE_FLAGS = {
 
 
 def cmd_autoscale(args: argparse.Namespace) -> int:
-    from ops.autoscaler import AutoscaleLoop, KubernetesPool, LocalPool, keda_scaled_object
-    from ops.stack import StackInfo
+    from kinfer.ops.autoscaler import AutoscaleLoop, KubernetesPool, LocalPool, keda_scaled_object
+    from kinfer.ops.stack import StackInfo
 
     policy = ScalePolicy(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                          **settings_from_args(args, SCALE_FLAGS))
@@ -407,7 +407,7 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from ops.simulate import SimConfig, load_models, size_fleet
+    from kinfer.ops.simulate import SimConfig, load_models, size_fleet
 
     models = load_models(args.models)
     cfg = SimConfig(transport_ms=args.transport_ms, worker_cpu_ms=args.worker_cpu_ms, brokers=args.brokers,
@@ -431,7 +431,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_telemetry(args: argparse.Namespace) -> int:
-    from ops.telemetry import run
+    from kinfer.ops.telemetry import run
 
     bootstrap, redis_url = resolve_endpoints()
     run(bootstrap, redis_url, window_s=args.window_s, publish_s=args.publish_s, app_id=args.app_id,
@@ -442,7 +442,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import redis.asyncio as aioredis
 
-    from ops.status import render, snapshot
+    from kinfer.ops.status import render, snapshot
 
     _, redis_url = resolve_endpoints()
 
@@ -459,47 +459,47 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ops.demo import run_demo
+    from kinfer.ops.demo import run_demo
 
     return run_demo(requests=args.requests, rate=args.rate, model=args.model, partitions=args.partitions)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ops.bench import bench_batching, bench_generation, bench_model
+    from kinfer.ops.bench import bench_batching, bench_generation, bench_model
 
     if args.bench == "model":
         report = bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds)
     elif args.bench == "generation":
         report = bench_generation(requests=args.requests, rate=args.rate, max_running=args.max_running)
     elif args.bench == "serve":
-        from ops.serve import bench_serve
+        from kinfer.ops.serve import bench_serve
 
         report = bench_serve(model=args.model, alone_seconds=args.alone_seconds, seconds_per_step=args.seconds,
                              partitions=args.partitions)
     elif args.bench == "transport":
-        from ops.transport import bench_transport
+        from kinfer.ops.transport import bench_transport
 
         rates = {k: tuple(v) for k, v in (("library_rates", args.library_rates), ("http_rates", args.http_rates)) if v}
         report = bench_transport(seconds=args.seconds, paths=tuple(args.path or ("library", "http")),
                                  partitions=args.partitions, **rates)
     elif args.bench == "faults":
-        from ops.faults import bench_faults
+        from kinfer.ops.faults import bench_faults
 
         report = bench_faults(rate=args.rate, before_s=args.before_s, after_s=args.after_s,
                               deadline_ms=args.deadline_ms, only=tuple(args.scenario or ()))
     elif args.bench == "autoscale":
-        from ops.autoscale_bench import Trace, bench_autoscale
+        from kinfer.ops.autoscale_bench import Trace, bench_autoscale
 
         trace = Trace(quiet_rps=args.quiet_rps, step=args.step, quiet_s=args.quiet_s, peak_s=args.peak_s,
                       ramp_s=args.ramp_s, tail_s=args.tail_s)
         report = bench_autoscale(trace, per_input_ms=args.per_input_ms)
     elif args.bench == "placement":
-        from ops.placement_bench import bench_placement
+        from kinfer.ops.placement_bench import bench_placement
 
         report = bench_placement(models=args.models, resident=args.resident, rate=args.rate, seconds=args.seconds,
                                  zipf_s=args.zipf_s, deadline_ms=args.deadline_ms)
     elif args.bench == "overload":
-        from ops.overload import bench_overload
+        from kinfer.ops.overload import bench_overload
 
         report = bench_overload(surge_s=args.surge_s, normal_s=args.normal_s, factor=args.factor,
                                 per_input_ms=args.per_input_ms, deadline_ms=args.deadline_ms,
@@ -517,7 +517,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _plot_report(report: dict[str, Any], path: str, name: str) -> bool:
     """``--plot [PNG]``: draws the report (``report["plot"]`` says where); a picture that fails is
     told on stderr, and the report is printed all the same (it cost minutes to measure)."""
-    from ops.plots import default_plot_path, plot_report
+    from kinfer.ops.plots import default_plot_path, plot_report
 
     try:
         report["plot"] = plot_report(report, path or default_plot_path(None, name))
@@ -530,7 +530,7 @@ def _plot_report(report: dict[str, Any], path: str, name: str) -> bool:
 
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     """``kinfer bench plot REPORT.json [--out PNG]``: draws a saved report, of any benchmark."""
-    from ops.plots import UnknownReport, default_plot_path, plot_report
+    from kinfer.ops.plots import UnknownReport, default_plot_path, plot_report
 
     path = Path(args.report)
     try:
@@ -646,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
-    from ops.place import Fleet
+    from kinfer.ops.place import Fleet
 
     pc = sub.add_parser("place", help="placement: dedicated pools for hot models, the long tail co-located on the rest")
     pc.add_argument("--models", required=True,

@@ -12,12 +12,12 @@ import signal
 
 import redis.asyncio as aioredis
 
-from ops.load import LoadReport, make_texts, open_loop
-from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
-from ops.stack import LocalStack, StackInfo
-from ops.status import render, snapshot
-from producers import Client
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.ops.load import LoadReport, make_texts, open_loop
+from kinfer.ops.procs import spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.stack import LocalStack, StackInfo
+from kinfer.ops.status import render, snapshot
+from kinfer.producers import Client
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 
 def print_report(report: LoadReport) -> None:

@@ -39,12 +39,12 @@ import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
-from ops.procs import spawn_worker, stop_process, wait_until_served
-from ops.stack import LocalStack, StackInfo
-from producers import Client
-from topics import DeadlineExceeded, KinferError, Priority, ReplyRoute, Request, now_ms, pack
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
-from topics.names import DEFAULT_REPLY_TOPIC, request_topic
+from kinfer.ops.procs import spawn_worker, stop_process, wait_until_served
+from kinfer.ops.stack import LocalStack, StackInfo
+from kinfer.producers import Client
+from kinfer.topics import DeadlineExceeded, KinferError, Priority, ReplyRoute, Request, now_ms, pack
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.topics.names import DEFAULT_REPLY_TOPIC, request_topic
 
 SLOW_S = 1.0  # a request slower than this was disturbed by the fault
 

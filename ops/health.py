@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from topics.health import HealthState, Level
+from kinfer.topics.health import HealthState, Level
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,11 +23,11 @@ from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
-from ops.health import HealthEstimator, HealthPolicy
-from topics import MalformedRecord, now_ms
-from topics.admin import TopicSpec, ensure_topics, group_members, offset_clients, read_offsets_many
-from topics.connect import kafka_options
-from topics.health import (
+from kinfer.ops.health import HealthEstimator, HealthPolicy
+from kinfer.topics import MalformedRecord, now_ms
+from kinfer.topics.admin import TopicSpec, ensure_topics, group_members, offset_clients, read_offsets_many
+from kinfer.topics.connect import kafka_options
+from kinfer.topics.health import (
     DECISIONS_KEPT,
     DECISIONS_KEY,
     HEALTH_CHANNEL,
@@ -37,9 +37,9 @@ from topics.health import (
     LevelChange,
     health_key,
 )
-from topics.names import consumer_group, served_models
-from topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
-from topics.stats import ModelStats, stats_key
+from kinfer.topics.names import consumer_group, served_models
+from kinfer.topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
+from kinfer.topics.stats import ModelStats, stats_key
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from producers import Client
-from topics import KinferError, Priority, Result
+from kinfer.producers import Client
+from kinfer.topics import KinferError, Priority, Result
 
 T = TypeVar("T")
 

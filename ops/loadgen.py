@@ -1,4 +1,4 @@
-"""A load generator in a process of its own, driven over stdin/stdout (``python -m ops.loadgen``).
+"""A load generator in a process of its own, driven over stdin/stdout (``python -m kinfer.ops.loadgen``).
 
 The transport benchmark runs it beside the worker, the broker, Redis and the gateway, so that each
 process's CPU can be read from /proc and charged to the right side. It starts its client once,
@@ -29,9 +29,9 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ops.load import make_texts, percentile
-from producers import Client
-from topics import DeadlineExceeded, KinferError
+from kinfer.ops.load import make_texts, percentile
+from kinfer.producers import Client
+from kinfer.topics import DeadlineExceeded, KinferError
 
 SENTENCE = "kafka is fast when it is used in batches"
 
@@ -246,7 +246,7 @@ async def _commands(reader: asyncio.StreamReader, one: Callable[[], Awaitable[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ops.loadgen", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kinfer.ops.loadgen", description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["library", "http"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--bootstrap", default="")

@@ -35,13 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ops.load import fire, percentile
-from ops.procs import spawn, spawn_worker, stop_process, wait_until_served
-from ops.stack import LocalStack, StackInfo
-from producers import Client
-from topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
-from topics.admin import ensure_topics, model_topic_specs, offset_clients, read_offsets, shared_topic_specs
-from topics.health import Level
+from kinfer.ops.load import fire, percentile
+from kinfer.ops.procs import spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.stack import LocalStack, StackInfo
+from kinfer.producers import Client
+from kinfer.topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
+from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, read_offsets, shared_topic_specs
+from kinfer.topics.health import Level
 
 MODEL = "bench-overload"
 NEIGHBOURS = ("bench-busy", "bench-quiet")  # co-located on one worker for the spike run

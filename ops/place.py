@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from topics.names import MODEL_PATTERN
+from kinfer.topics.names import MODEL_PATTERN
 
 EPS = 1e-9  # float slack in every comparison of sums
 MIN_WEIGHT = 0.01  # a model with no traffic yet still gets turns: the worker refuses a weight of 0

@@ -30,23 +30,23 @@ import time
 from collections import Counter
 from typing import Any
 
-from ops.bench import _log
-from ops.lagmon import LagMonitor
-from ops.load import make_texts, percentile
-from ops.procs import spawn_worker, stop_process
-from ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
-from ops.stack import LocalStack, StackInfo, free_port
-from producers import Client
-from topics import ColdStart, DeadlineExceeded, KinferError, Overloaded
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.ops.bench import _log
+from kinfer.ops.lagmon import LagMonitor
+from kinfer.ops.load import make_texts, percentile
+from kinfer.ops.procs import spawn_worker, stop_process
+from kinfer.ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
+from kinfer.ops.stack import LocalStack, StackInfo, free_port
+from kinfer.producers import Client
+from kinfer.topics import ColdStart, DeadlineExceeded, KinferError, Overloaded
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 BUILTIN = ("minilm", "tiny-lm")
 
 
 def swap_in_times(model: str, tries: int = 3) -> dict[str, Any]:
     """Disk → serving and host RAM → serving for one built-in model, in this process (ms, medians)."""
-    from consumers.runners import build_runner, resolve_model
-    from consumers.runners.base import bring_in, set_threads
+    from kinfer.consumers.runners import build_runner, resolve_model
+    from kinfer.consumers.runners.base import bring_in, set_threads
 
     set_threads(1)
     runner = build_runner(resolve_model(model))
@@ -78,7 +78,7 @@ def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: floa
     per_model = {name: swap_in_times(name) for name in BUILTIN}
     for name, t in per_model.items():
         _log(f"  {name}: disk {t['disk']:.0f} ms, ram {t['ram']:.0f} ms, {t['footprint_mb']} MiB ({t['runtime']})")
-    from consumers.runners.registry import estimate_footprint, resolve_model
+    from kinfer.consumers.runners.registry import estimate_footprint, resolve_model
 
     footprint_gib = max(estimate_footprint(resolve_model("minilm")), per_model["minilm"]["footprint_mb"] * (1 << 20))
     footprint_gib /= 1 << 30
@@ -117,7 +117,7 @@ def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: floa
 def _one_run(info: StackInfo, names: list[str], weights: list[float], hot: int, budget: float, host: float,
              quantum_s: float, rate: float, seconds: float, deadline_ms: int, seed: int) -> dict[str, Any]:
     """One worker registering every model under ``budget`` GiB, the Zipf load through it, its swap-ins."""
-    from consumers.runners.registry import resolve_model
+    from kinfer.consumers.runners.registry import resolve_model
 
     port = free_port()
     flags = [a for n in names[1:] for a in ("--model", n)]

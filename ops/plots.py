@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ops.sla import SLA_P95_MS, SLA_P99_MS
+from kinfer.ops.sla import SLA_P95_MS, SLA_P99_MS
 
 Report = dict[str, Any]
 
@@ -387,7 +387,7 @@ AUTOSCALE_RUNS = (("autoscaled", "autoscaled"), ("static_peak", "static peak"))
 def plot_autoscale(report: Report, path: str) -> str:
     """From each run's ``timeline`` (arrivals, lag, predicted wait, workers every half second) when
     the report has one; older reports have only ``replicas_over_time``: workers against the trace."""
-    from ops.autoscale_bench import Trace
+    from kinfer.ops.autoscale_bench import Trace
 
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator

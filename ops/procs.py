@@ -10,16 +10,16 @@ import sys
 import time
 import urllib.request
 
-from ops.stack import StackInfo
-from producers import Client
-from topics import KinferError
+from kinfer.ops.stack import StackInfo
+from kinfer.producers import Client
+from kinfer.topics import KinferError
 
 
 def spawn(info: StackInfo, *args: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
     """A ``kinfer`` subcommand as a child process on the stack ``info``."""
     env = {**os.environ, **info.env(), "HF_HUB_OFFLINE": "1"}
     with open(log_path or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "ops.cli", *args], env=env, stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "kinfer.ops.cli", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
 
 

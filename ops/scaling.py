@@ -30,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from topics.record import Record
+from kinfer.topics.record import Record
 
 IDLE_RPS = 0.01  # a smoothed arrival rate below this (one record in 100 s) is no traffic
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, urlparse
 
-from topics.health import HEALTH_TOPIC
-from topics.names import (
+from kinfer.topics.health import HEALTH_TOPIC
+from kinfer.topics.names import (
     DEFAULT_REPLY_TOPIC,
     DLQ_TOPIC,
     REPLY_TOPIC_PREFIX,
@@ -43,8 +43,8 @@ from topics.names import (
     Priority,
     request_topic,
 )
-from topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY
-from topics.stats import STATS_TOPIC
+from kinfer.topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY
+from kinfer.topics.stats import STATS_TOPIC
 
 ADMIN = "admin"
 WORKER = "kinfer-worker"
@@ -223,8 +223,8 @@ def principal_env(secrets: Secrets, principal: str, bootstrap: str, redis_url: s
     (the worker, the gateway, admin), and for a tenant ``KINFER_TENANT`` and its request key
     ``KINFER_TENANT_KEY``. An unknown principal is a ``ValueError``.
     """
-    from topics.auth import TenantCredential
-    from topics.connect import KafkaAuth
+    from kinfer.topics.auth import TenantCredential
+    from kinfer.topics.connect import KafkaAuth
 
     password = secrets.password(principal)
     out = {"KINFER_BOOTSTRAP": bootstrap, "KINFER_REDIS_URL": redis_url_with_user(redis_url, principal, password),

@@ -1,4 +1,4 @@
-"""The compose deployment's security: ``python -m ops.secure_init init|setup|rotate|env|ca``.
+"""The compose deployment's security: ``python -m kinfer.ops.secure_init init|setup|rotate|env|ca``.
 
 ``docker-compose.yml`` runs Kafka and Redis locked down the way ``kinfer stack up --secure`` does
 (``ops.secure`` decides who may do what; ``ops.stack`` runs the local processes): SASL_SSL with
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ops import secure as sec
-from ops.stack import StackError
+from kinfer.ops import secure as sec
+from kinfer.ops.stack import StackError
 
 # The users the images run as: apache/kafka's appuser, the redis image's redis, grafana's grafana,
 # and kinfer's own (Dockerfile). ``init`` runs as root and hands each volume to its reader.
@@ -409,8 +409,8 @@ async def upsert_scram(bootstrap: str, options: dict[str, Any], passwords: Mappi
     from aiokafka.client import AIOKafkaClient
     from aiokafka.errors import KafkaError
 
-    from ops.stack import tls_closes_settled
-    from topics.connect import kafka_options
+    from kinfer.ops.stack import tls_closes_settled
+    from kinfer.topics.connect import kafka_options
 
     if not passwords:
         return 0
@@ -431,7 +431,7 @@ async def upsert_scram(bootstrap: str, options: dict[str, Any], passwords: Mappi
 
 
 def _admin_options(state: State) -> dict[str, Any]:
-    from topics.connect import KafkaAuth
+    from kinfer.topics.connect import KafkaAuth
 
     return KafkaAuth("SASL_SSL", "SCRAM-SHA-512", sec.ADMIN, state.secrets.password(sec.ADMIN),
                      str(state.files.ca_cert)).options()
@@ -442,7 +442,7 @@ async def setup(state: State, bootstrap: str, redis_url: str, models: Sequence[s
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    from ops.stack import create_acls
+    from kinfer.ops.stack import create_acls
 
     scram = await upsert_scram(bootstrap, {}, state.secrets.passwords)
     acls = await create_acls(bootstrap, {}, state.secrets.tenants, models or None)
@@ -492,7 +492,7 @@ def rotate_signing_secret(state: State, drop_retired: bool = False) -> State:
 
 
 # ---------------------------------------------------------------------------------------------
-# The command line (the kinfer image: `python -m ops.secure_init ...`)
+# The command line (the kinfer image: `python -m kinfer.ops.secure_init ...`)
 
 
 def _pairs(values: Sequence[str], what: str) -> dict[str, int]:
@@ -506,7 +506,7 @@ def _pairs(values: Sequence[str], what: str) -> dict[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ops.secure_init", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kinfer.ops.secure_init", description=__doc__.split("\n\n")[0])
     p.add_argument("--state", default="/secrets/state", help="the private state folder [%(default)s]")
     sub = p.add_subparsers(dest="action", required=True)
 
@@ -600,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.action == "ca":
             sys.stdout.write(load_state(state_dir).files.ca_cert.read_text())
     except (StackError, ValueError, OSError) as exc:  # one line that says what is wrong, exit code 2
-        print(f"ops.secure_init {args.action}: {exc}", file=sys.stderr)
+        print(f"kinfer.ops.secure_init {args.action}: {exc}", file=sys.stderr)
         return 2
     return 0
 

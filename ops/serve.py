@@ -21,13 +21,13 @@ import sys
 import time
 from typing import Any
 
-from ops.bench import _log
-from ops.load import make_texts
-from ops.procs import spawn, spawn_worker, stop_process
-from ops.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS
-from ops.stack import LocalStack, StackInfo, free_port
-from ops.transport import _LoadGen, _sweep, _wait_http, _wait_served
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.ops.bench import _log
+from kinfer.ops.load import make_texts
+from kinfer.ops.procs import spawn, spawn_worker, stop_process
+from kinfer.ops.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS
+from kinfer.ops.stack import LocalStack, StackInfo, free_port
+from kinfer.ops.transport import _LoadGen, _sweep, _wait_http, _wait_served
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 # (processes, threads each, batch size) × runtime: the layouts the model alone is tried in.
 LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 8))
@@ -37,8 +37,8 @@ TEXT_WORDS = (5, 60)
 
 def _alone_process(model: str, runtime: str, threads: int, batch: int, seconds: float) -> None:
     """One process of the model-alone measurement: loads, says so, waits for "go", prints seq/s."""
-    from consumers.runners import BatchRunner, build_runner, resolve_model
-    from consumers.runners.base import set_threads
+    from kinfer.consumers.runners import BatchRunner, build_runner, resolve_model
+    from kinfer.consumers.runners.base import set_threads
 
     runner: BatchRunner = build_runner(resolve_model(model, options={"runtime": runtime}))  # type: ignore[assignment]
     set_threads(threads)
@@ -60,7 +60,7 @@ def model_alone(model: str, seconds: float) -> dict[str, float]:
     out: dict[str, float] = {}
     for runtime in RUNTIMES:
         for procs, threads, batch in LAYOUTS:
-            cmd = [sys.executable, "-m", "ops.serve", "alone", model, runtime, str(threads), str(batch),
+            cmd = [sys.executable, "-m", "kinfer.ops.serve", "alone", model, runtime, str(threads), str(batch),
                    str(seconds)]
             children = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                         for _ in range(procs)]
@@ -120,7 +120,7 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
     """Workers in ``layout`` (e.g. ``onnx:2x1t-b1``), a gateway, and the open-loop sweep through it."""
     import asyncio
 
-    from consumers.runners import resolve_model
+    from kinfer.consumers.runners import resolve_model
 
     runtime, shape = layout.split(":")
     procs, threads = int(shape.split("x")[0]), int(shape.split("x")[1].split("t")[0])

@@ -37,13 +37,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from batcher import BatchPolicy, ContinuousScheduler, DynamicBatcher, GenPolicy, Sequence
-from ops.health import HealthEstimator
-from ops.load import percentile
-from ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
-from producers.admission import health_decision
-from topics import Priority
-from topics.health import HealthState
+from kinfer.batcher import BatchPolicy, ContinuousScheduler, DynamicBatcher, GenPolicy, Sequence
+from kinfer.ops.health import HealthEstimator
+from kinfer.ops.load import percentile
+from kinfer.ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
+from kinfer.producers.admission import health_decision
+from kinfer.topics import Priority
+from kinfer.topics.health import HealthState
 
 
 @dataclass(frozen=True, slots=True)

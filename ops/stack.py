@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ops import secure as sec
-from topics.connect import KafkaAuth, kafka_options
-from topics.paths import cache_dir, state_dir
+from kinfer.ops import secure as sec
+from kinfer.topics.connect import KafkaAuth, kafka_options
+from kinfer.topics.paths import cache_dir, state_dir
 
 KAFKA_VERSION = "3.9.1"
 SCALA_VERSION = "2.13"
@@ -632,7 +632,7 @@ async def create_acls(bootstrap: str, options: dict[str, Any], tenants: Mapping[
     from aiokafka.errors import KafkaError
     from aiokafka.protocol.admin import CreateAclsRequest
 
-    from topics.names import served_models
+    from kinfer.topics.names import served_models
 
     client = AIOKafkaClient(**kafka_options(bootstrap, request_timeout_ms=15_000, **options))
     try:

@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from ops.scaling import SCALE_DECISIONS_KEY, SCALE_STATE_PREFIX, ScaleDecision, ScaleState
-from topics import MalformedRecord
-from topics.health import DECISIONS_KEY, HEALTH_KEY_PREFIX, HealthState, LevelChange
-from topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
-from topics.stats import STATS_KEY_PREFIX, ModelStats
+from kinfer.ops.scaling import SCALE_DECISIONS_KEY, SCALE_STATE_PREFIX, ScaleDecision, ScaleState
+from kinfer.topics import MalformedRecord
+from kinfer.topics.health import DECISIONS_KEY, HEALTH_KEY_PREFIX, HealthState, LevelChange
+from kinfer.topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
+from kinfer.topics.stats import STATS_KEY_PREFIX, ModelStats
 
 T = TypeVar("T")
 GIB = 1 << 30

@@ -25,11 +25,11 @@ import faust
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from batcher import Reason
-from topics import MalformedRecord
-from topics.admin import cluster_replication
-from topics.connect import KafkaAuth
-from topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
+from kinfer.batcher import Reason
+from kinfer.topics import MalformedRecord
+from kinfer.topics.admin import cluster_replication
+from kinfer.topics.connect import KafkaAuth
+from kinfer.topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ops.procs import scrape, spawn, spawn_worker, stop_process, wait_until_served
-from ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
-from ops.stack import LocalStack, StackInfo, free_port
-from producers import Client
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.ops.procs import scrape, spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
+from kinfer.ops.stack import LocalStack, StackInfo, free_port
+from kinfer.producers import Client
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 SLA_MIN_OK = 0.999
 MODEL = "bench-transport"
@@ -46,7 +46,7 @@ class _LoadGen:
     def __init__(self, info: StackInfo, mode: str, log_path: str, url: str = "", model: str = MODEL,
                  extra: list[str] | None = None) -> None:
         env = {**os.environ, **info.env()}
-        cmd = [sys.executable, "-m", "ops.loadgen", "--mode", mode, "--model", model,
+        cmd = [sys.executable, "-m", "kinfer.ops.loadgen", "--mode", mode, "--model", model,
                "--bootstrap", info.bootstrap, "--redis-url", info.redis_url, "--url", url, *(extra or [])]
         self._log = open(log_path, "ab")  # noqa: SIM115 — closed in close()
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -20,8 +20,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from topics import Priority
-from topics.health import HealthState, Level
+from kinfer.topics import Priority
+from kinfer.topics.health import HealthState, Level
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from producers.client import Client
-from topics import Chunk, KinferError, Result
+from kinfer.producers.client import Client
+from kinfer.topics import Chunk, KinferError, Result
 
 T = TypeVar("T")
 

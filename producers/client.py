@@ -30,11 +30,11 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from producers import metrics
-from producers.admission import AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
-from producers.health import HealthWatch
-from producers.replies import ReplyMux
-from topics import (
+from kinfer.producers import metrics
+from kinfer.producers.admission import AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
+from kinfer.producers.health import HealthWatch
+from kinfer.producers.replies import ReplyMux
+from kinfer.topics import (
     DEFAULT_LIMITS,
     Chunk,
     ColdStart,
@@ -54,12 +54,12 @@ from topics import (
     now_ms,
     pack,
 )
-from topics.auth import Signer, cancel_mac, signer_from_env
-from topics.connect import KafkaAuth
-from topics.health import HealthState
-from topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, redis_reply_channel, request_topic, served_models
-from topics.residency import DEMAND_CHANNEL
-from topics.residency import Demand as DemandNote
+from kinfer.topics.auth import Signer, cancel_mac, signer_from_env
+from kinfer.topics.connect import KafkaAuth
+from kinfer.topics.health import HealthState
+from kinfer.topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, redis_reply_channel, request_topic, served_models
+from kinfer.topics.residency import DEMAND_CHANNEL
+from kinfer.topics.residency import Demand as DemandNote
 
 log = logging.getLogger(__name__)
 

@@ -46,12 +46,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from producers import metrics
-from producers.client import Client
-from producers.http import BadBody, Doc, decode, docs_page, error_body, json_response, openapi, read_body
-from producers.ratelimit import RedisRateLimiter
-from producers.tenants import Tenant, Tenants
-from topics import (
+from kinfer.producers import metrics
+from kinfer.producers.client import Client
+from kinfer.producers.http import BadBody, Doc, decode, docs_page, error_body, json_response, openapi, read_body
+from kinfer.producers.ratelimit import RedisRateLimiter
+from kinfer.producers.tenants import Tenant, Tenants
+from kinfer.topics import (
     Chunk,
     ColdStart,
     DeadlineExceeded,
@@ -65,7 +65,7 @@ from topics import (
     Unavailable,
     UnknownModel,
 )
-from topics.auth import Signer, signing_secrets
+from kinfer.topics.auth import Signer, signing_secrets
 
 log = logging.getLogger(__name__)
 

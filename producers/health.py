@@ -9,11 +9,11 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from producers import metrics
-from producers.replies import stop_task
-from topics import MalformedRecord, now_ms
-from topics.backoff import Backoff
-from topics.health import HEALTH_CHANNEL, HealthState
+from kinfer.producers import metrics
+from kinfer.producers.replies import stop_task
+from kinfer.topics import MalformedRecord, now_ms
+from kinfer.topics.backoff import Backoff
+from kinfer.topics.health import HEALTH_CHANNEL, HealthState
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from producers.tenants import Tenant
+from kinfer.producers.tenants import Tenant
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from producers import metrics
-from producers.streams import StreamBuffer
-from topics import Chunk, KinferError, MalformedRecord, Reply, ReplyRoute, Result, Unavailable, decode_replies
-from topics.auth import new_reply_key
-from topics.backoff import Backoff
-from topics.connect import kafka_options
+from kinfer.producers import metrics
+from kinfer.producers.streams import StreamBuffer
+from kinfer.topics import Chunk, KinferError, MalformedRecord, Reply, ReplyRoute, Result, Unavailable, decode_replies
+from kinfer.topics.auth import new_reply_key
+from kinfer.topics.backoff import Backoff
+from kinfer.topics.connect import kafka_options
 
 log = logging.getLogger(__name__)
 

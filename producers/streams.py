@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from topics import Chunk, KinferError
+from kinfer.topics import Chunk, KinferError
 
 
 class StreamBuffer:

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from topics import Priority
+from kinfer.topics import Priority
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 

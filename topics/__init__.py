@@ -3,7 +3,7 @@
 ``topics`` imports no other kinfer package; producers and consumers meet only here.
 """
 
-from topics.envelope import (
+from kinfer.topics.envelope import (
     DEFAULT_LIMITS,
     ENVELOPE_VERSION,
     Chunk,
@@ -27,7 +27,7 @@ from topics.envelope import (
     pack,
     seal,
 )
-from topics.errors import (
+from kinfer.topics.errors import (
     ColdStart,
     DeadlineExceeded,
     InvalidRequest,
@@ -39,7 +39,7 @@ from topics.errors import (
     Unavailable,
     UnknownModel,
 )
-from topics.names import Priority
+from kinfer.topics.names import Priority
 
 __all__ = [
     "DEFAULT_LIMITS",

@@ -12,10 +12,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import KafkaError
 
-from topics.connect import kafka_options
-from topics.errors import Unavailable
-from topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, consumer_group, parse_request_topic, request_topics
-from topics.stats import STATS_TOPIC
+from kinfer.topics.connect import kafka_options
+from kinfer.topics.errors import Unavailable
+from kinfer.topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, consumer_group, parse_request_topic, request_topics
+from kinfer.topics.stats import STATS_TOPIC
 
 log = logging.getLogger(__name__)
 

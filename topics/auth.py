@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from topics.errors import InvalidRequest
-from topics.names import Priority
+from kinfer.topics.errors import InvalidRequest
+from kinfer.topics.names import Priority
 
 SIG_HEADER = "kinfer-sig"
 KID_HEADER = "kinfer-kid"

@@ -20,9 +20,9 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgpack
 import msgspec
 
-from topics.auth import reply_authentic, reply_mac
-from topics.errors import DeadlineExceeded, InvalidRequest, KinferError, MalformedRecord, ModelError, Shed
-from topics.names import MODEL_PATTERN, ROUTE_PATTERN, Priority
+from kinfer.topics.auth import reply_authentic, reply_mac
+from kinfer.topics.errors import DeadlineExceeded, InvalidRequest, KinferError, MalformedRecord, ModelError, Shed
+from kinfer.topics.names import MODEL_PATTERN, ROUTE_PATTERN, Priority
 
 ENVELOPE_VERSION: Final = 1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from topics.record import Record
+from kinfer.topics.record import Record
 
 HEALTH_TOPIC = "kinfer.health"
 HEALTH_CHANNEL = "kinfer:health"

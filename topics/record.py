@@ -13,7 +13,7 @@ from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
-from topics.errors import MalformedRecord
+from kinfer.topics.errors import MalformedRecord
 
 R = TypeVar("R", bound="Record")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from topics.record import Record
+from kinfer.topics.record import Record
 
 RESIDENCY_KEY = "kinfer:residency"
 RESIDENCY_FRESH_MS = 10_000

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from topics.record import Record
+from kinfer.topics.record import Record
 
 STATS_TOPIC = "kinfer.stats"
 STATS_KEY_PREFIX = "kinfer:stats:"

@@ -8,7 +8,7 @@ import sys
 import threading
 from typing import Any, Generic, Protocol, TypeVar
 
-from consumers.runners.sampling import GenInput, TokenEvent
+from kinfer.consumers.runners.sampling import GenInput, TokenEvent
 
 
 class Runner(Protocol):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
+from kinfer.consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
 
 
 class ClassifierRunner(TorchResidency):

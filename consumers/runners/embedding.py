@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
-from topics.paths import cache_dir
+from kinfer.consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
+from kinfer.topics.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from consumers.runners.base import TorchResidency, drop_weights
-from consumers.runners.sampling import GenInput, Sampling, TokenEvent
+from kinfer.consumers.runners.base import TorchResidency, drop_weights
+from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
 
 __all__ = ["GenBatch", "GenInput", "GeneratorRunner", "Sampling", "TokenEvent"]
 

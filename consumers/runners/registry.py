@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consumers.runners.base import Runner, pick_device
-from topics.paths import cache_dir
+from kinfer.consumers.runners.base import Runner, pick_device
+from kinfer.topics.paths import cache_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,20 +88,20 @@ def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
             raise ValueError(f"model {spec.name!r}: runtime 'onnx' serves the embedding family only")
         spec = ModelSpec(spec.name, spec.family, spec.path, options)
     if spec.family == "embedding":
-        from consumers.runners.embedding import EmbeddingRunner
+        from kinfer.consumers.runners.embedding import EmbeddingRunner
 
         if spec.path is None:
             raise ValueError(f"model {spec.name!r}: the embedding family needs a model directory")
         return EmbeddingRunner(spec.path, device=device, **spec.options)
     if spec.family == "classifier":
-        from consumers.runners.classifier import ClassifierRunner
+        from kinfer.consumers.runners.classifier import ClassifierRunner
 
         if spec.path is None:
             raise ValueError(f"model {spec.name!r}: the classifier family needs a model directory")
         return ClassifierRunner(spec.path, device=device, **spec.options)
     if spec.family == "generator":
-        from consumers.runners.generator import GeneratorRunner
-        from consumers.runners.tinylm import build_tiny_lm
+        from kinfer.consumers.runners.generator import GeneratorRunner
+        from kinfer.consumers.runners.tinylm import build_tiny_lm
 
         if spec.path is None:
             raise ValueError(f"model {spec.name!r}: the generator family needs a model directory")
@@ -109,7 +109,7 @@ def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
             build_tiny_lm(tiny_lm_path())
         return GeneratorRunner(spec.path, device=device, **spec.options)
     if spec.family == "noop":
-        from consumers.runners.noop import NoopRunner
+        from kinfer.consumers.runners.noop import NoopRunner
 
         return NoopRunner(device=device, **{k: float(v) for k, v in spec.options.items()})
     raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} (embedding, classifier, generator, noop)")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
 
-from consumers.runners.registry import minilm_path
+from kinfer.consumers.runners.registry import minilm_path
 
 
 def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0, eos: bool = True) -> Path:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A compose broker (apache/kafka image): format the storage once, with every principal's SCRAM
 # credential (KIP-900; what `kinfer stack up --secure` does), then run Kafka with the
-# server.properties the `secrets` service wrote (python -m ops.secure_init init).
+# server.properties the `secrets` service wrote (python -m kinfer.ops.secure_init init).
 #
 # The image's own start script configures Kafka from KAFKA_* variables and formats without
 # --add-scram; this one replaces it. KINFER_NODE names the broker (its folder in the volume).
@@ -14,7 +14,7 @@ bin="${KAFKA_HOME:-/opt/kafka}/bin"
 
 if [[ ! -r "$config" ]]; then
     echo "kafka-start: cannot read $config as uid $(id -u): the secrets service writes it (docker compose up" \
-         "runs it first) for uid 1000 (python -m ops.secure_init init --owner kafka=UID for another)" >&2
+         "runs it first) for uid 1000 (python -m kinfer.ops.secure_init init --owner kafka=UID for another)" >&2
     exit 1
 fi
 data="$(sed -n 's/^log\.dirs=//p' "$config")"

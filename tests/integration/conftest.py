@@ -22,10 +22,10 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from prometheus_client.parser import text_string_to_metric_families
 
-from ops.stack import LocalStack, StackInfo, free_port
-from producers import Client
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
-from topics.names import request_topics
+from kinfer.ops.stack import LocalStack, StackInfo, free_port
+from kinfer.producers import Client
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.topics.names import request_topics
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +88,7 @@ class WorkerProcess:
         self.log_path = log_dir / f"{self.worker_id}.log"
         env = {**os.environ, **stack.env(), "HF_HUB_OFFLINE": "1"}
         cmd = [
-            sys.executable, "-m", "ops.cli", "worker", "--model", model, "--worker-id", self.worker_id,
+            sys.executable, "-m", "kinfer.ops.cli", "worker", "--model", model, "--worker-id", self.worker_id,
             "--metrics-port", str(self.metrics_port), *args,
         ]
         with self.log_path.open("wb") as log:

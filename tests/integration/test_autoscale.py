@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ops.autoscale_bench import Trace, bench_autoscale
-from ops.scaling import ScalePolicy
-from ops.stack import StackInfo
+from kinfer.ops.autoscale_bench import Trace, bench_autoscale
+from kinfer.ops.scaling import ScalePolicy
+from kinfer.ops.stack import StackInfo
 
 pytestmark = pytest.mark.integration
 

@@ -11,16 +11,16 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import REGISTRY
 
-from ops.health import HealthPolicy
-from ops.lagmon import LagMonitor
-from ops.procs import wait_until_served
-from ops.stack import StackInfo
-from ops.status import render, snapshot
-from producers import Client
+from kinfer.ops.health import HealthPolicy
+from kinfer.ops.lagmon import LagMonitor
+from kinfer.ops.procs import wait_until_served
+from kinfer.ops.stack import StackInfo
+from kinfer.ops.status import render, snapshot
+from kinfer.producers import Client
+from kinfer.topics import Overloaded, Priority
+from kinfer.topics.health import Level
+from kinfer.topics.names import request_topic
 from tests.integration.conftest import WorkerProcess
-from topics import Overloaded, Priority
-from topics.health import Level
-from topics.names import request_topic
 
 pytestmark = pytest.mark.integration
 

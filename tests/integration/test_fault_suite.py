@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops.faults import bench_faults
+from kinfer.ops.faults import bench_faults
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,10 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from ops.procs import wait_until_served
-from ops.stack import StackInfo
-from producers import Client
-from tests.integration.conftest import WorkerProcess
-from topics import (
+from kinfer.ops.procs import wait_until_served
+from kinfer.ops.stack import StackInfo
+from kinfer.producers import Client
+from kinfer.topics import (
     DeadlineExceeded,
     Priority,
     ReplyRoute,
@@ -29,7 +28,8 @@ from topics import (
     now_ms,
     pack,
 )
-from topics.names import DLQ_TOPIC, consumer_group, request_topic, request_topics
+from kinfer.topics.names import DLQ_TOPIC, consumer_group, request_topic, request_topics
+from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

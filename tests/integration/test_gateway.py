@@ -21,18 +21,18 @@ import redis.asyncio as aioredis
 import uvicorn
 import websockets
 
-from consumers.runners.registry import minilm_path
-from consumers.runners.tinylm import build_tiny_classifier, build_tiny_lm
-from ops.procs import wait_until_served
-from ops.stack import StackInfo, free_port
-from producers import Client
-from producers.gateway import GatewaySettings, create_app
-from producers.http import guarded_protocol
-from producers.tenants import Tenants, hash_key
+from kinfer.consumers.runners.registry import minilm_path
+from kinfer.consumers.runners.tinylm import build_tiny_classifier, build_tiny_lm
+from kinfer.ops.procs import wait_until_served
+from kinfer.ops.stack import StackInfo, free_port
+from kinfer.producers import Client
+from kinfer.producers.gateway import GatewaySettings, create_app
+from kinfer.producers.http import guarded_protocol
+from kinfer.producers.tenants import Tenants, hash_key
+from kinfer.topics import now_ms
+from kinfer.topics.admin import ensure_topics, model_topic_specs
+from kinfer.topics.health import HEALTH_CHANNEL, HealthState, Level
 from tests.integration.conftest import WorkerProcess, delete_model_topics
-from topics import now_ms
-from topics.admin import ensure_topics, model_topic_specs
-from topics.health import HEALTH_CHANNEL, HealthState, Level
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from consumers.runners.tinylm import build_tiny_lm
-from ops.procs import wait_until_served
-from producers import Client
+from kinfer.consumers.runners.tinylm import build_tiny_lm
+from kinfer.ops.procs import wait_until_served
+from kinfer.producers import Client
 from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import pytest
 
-from ops.procs import wait_until_served
-from ops.stack import StackInfo
-from producers import Client
+from kinfer.ops.procs import wait_until_served
+from kinfer.ops.stack import StackInfo
+from kinfer.producers import Client
+from kinfer.topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
+from kinfer.topics.admin import ensure_topics, model_topic_specs
 from tests.integration.conftest import WorkerProcess, delete_model_topics
-from topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
-from topics.admin import ensure_topics, model_topic_specs
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from ops.overload import bench_overload
-from ops.stack import StackInfo
+from kinfer.ops.overload import bench_overload
+from kinfer.ops.stack import StackInfo
 
 pytestmark = pytest.mark.integration
 

@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from batcher.dynamic import BatchPolicy
-from consumers.runners.noop import NoopRunner
-from consumers.runners.registry import ModelSpec, minilm_path
-from consumers.worker import Worker, WorkerSettings
-from ops.load import make_texts
-from ops.procs import wait_until_served
-from ops.stack import StackInfo
-from producers import BlockingClient, Client
-from producers.client import MISSING_TOPIC_TTL_S
+from kinfer.batcher.dynamic import BatchPolicy
+from kinfer.consumers.runners.noop import NoopRunner
+from kinfer.consumers.runners.registry import ModelSpec, minilm_path
+from kinfer.consumers.worker import Worker, WorkerSettings
+from kinfer.ops.load import make_texts
+from kinfer.ops.procs import wait_until_served
+from kinfer.ops.stack import StackInfo
+from kinfer.producers import BlockingClient, Client
+from kinfer.producers.client import MISSING_TOPIC_TTL_S
+from kinfer.topics import DeadlineExceeded, InvalidRequest, KinferError, Priority, Result, UnknownModel, seal
+from kinfer.topics.admin import ensure_topics, model_topic_specs
 from tests.integration.conftest import WorkerProcess, delete_model_topics
-from topics import DeadlineExceeded, InvalidRequest, KinferError, Priority, Result, UnknownModel, seal
-from topics.admin import ensure_topics, model_topic_specs
 
 pytestmark = pytest.mark.integration
 

@@ -17,10 +17,10 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
-from ops.stack import StackInfo, free_port
-from producers.gateway import GatewaySettings, create_app
-from producers.ratelimit import KEY_PREFIX, LOCAL_DECISIONS, RedisRateLimiter
-from producers.tenants import Tenant, Tenants, hash_key
+from kinfer.ops.stack import StackInfo, free_port
+from kinfer.producers.gateway import GatewaySettings, create_app
+from kinfer.producers.ratelimit import KEY_PREFIX, LOCAL_DECISIONS, RedisRateLimiter
+from kinfer.producers.tenants import Tenant, Tenants, hash_key
 
 pytestmark = pytest.mark.integration
 

@@ -14,12 +14,12 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from ops.procs import wait_until_served
-from ops.stack import LocalStack, StackInfo
-from producers import Client
+from kinfer.ops.procs import wait_until_served
+from kinfer.ops.stack import LocalStack, StackInfo
+from kinfer.producers import Client
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.topics.names import request_topic
 from tests.integration.conftest import WorkerProcess
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
-from topics.names import request_topic
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from ops.procs import wait_until_served
-from ops.stack import StackInfo, free_port
-from producers import Client
+from kinfer.ops.procs import wait_until_served
+from kinfer.ops.stack import StackInfo, free_port
+from kinfer.producers import Client
 from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration

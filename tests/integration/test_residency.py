@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from batcher.dynamic import BatchPolicy
-from batcher.residency import Tier
-from consumers.runners.noop import NoopRunner
-from consumers.runners.registry import ModelSpec
-from consumers.worker import Worker, WorkerSettings
-from ops.lagmon import LagMonitor
-from ops.stack import StackInfo
-from producers import Client
+from kinfer.batcher.dynamic import BatchPolicy
+from kinfer.batcher.residency import Tier
+from kinfer.consumers.runners.noop import NoopRunner
+from kinfer.consumers.runners.registry import ModelSpec
+from kinfer.consumers.worker import Worker, WorkerSettings
+from kinfer.ops.lagmon import LagMonitor
+from kinfer.ops.stack import StackInfo
+from kinfer.producers import Client
+from kinfer.topics import ColdStart, DeadlineExceeded, Status
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.topics.residency import RESIDENCY_KEY, WorkerResidency
 from tests.integration.conftest import delete_model_topics
-from topics import ColdStart, DeadlineExceeded, Status
-from topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
-from topics.residency import RESIDENCY_KEY, WorkerResidency
 
 pytestmark = pytest.mark.integration
 

@@ -29,13 +29,13 @@ from aiokafka.errors import GroupAuthorizationFailedError, KafkaConnectionError,
 from prometheus_client import REGISTRY
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from ops.stack import LocalStack, StackInfo, apply_tenant_acls, tls_closes_settled
-from producers import Client
-from topics import KinferError, Priority, ReplyRoute, Request, Result, Status, decode_result, now_ms, pack, seal
-from topics.auth import KID_HEADER, SIG_HEADER, signer_from_env
-from topics.connect import KafkaAuth, kafka_options
-from topics.health import HEALTH_CHANNEL, HEALTH_TOPIC, HealthState, Level
-from topics.names import (
+from kinfer.ops.stack import LocalStack, StackInfo, apply_tenant_acls, tls_closes_settled
+from kinfer.producers import Client
+from kinfer.topics import KinferError, Priority, ReplyRoute, Request, Result, Status, decode_result, now_ms, pack, seal
+from kinfer.topics.auth import KID_HEADER, SIG_HEADER, signer_from_env
+from kinfer.topics.connect import KafkaAuth, kafka_options
+from kinfer.topics.health import HEALTH_CHANNEL, HEALTH_TOPIC, HealthState, Level
+from kinfer.topics.names import (
     CANCEL_CHANNEL,
     DEFAULT_REPLY_TOPIC,
     DLQ_TOPIC,
@@ -43,7 +43,7 @@ from topics.names import (
     redis_reply_channel,
     request_topic,
 )
-from topics.stats import STATS_TOPIC
+from kinfer.topics.stats import STATS_TOPIC
 
 pytestmark = [
     pytest.mark.integration,
@@ -192,7 +192,7 @@ def test_redis_users(secure: StackInfo) -> None:
 def test_a_component_takes_its_principal_from_the_stack(secure: StackInfo) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KINFER_")}
     env["KINFER_HOME"] = secure.home
-    code = ("import json, os; from ops.stack import resolve_endpoints; "
+    code = ("import json, os; from kinfer.ops.stack import resolve_endpoints; "
             "b, r = resolve_endpoints(principal='kinfer-worker'); "
             "print(json.dumps({'user': os.environ['KINFER_KAFKA_USER'], 'redis': r, 'bootstrap': b}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
@@ -220,7 +220,7 @@ def acting_as(info: StackInfo, principal: str) -> Iterator[None]:
 def _start_worker(info: StackInfo, tenants: Path, log: Path) -> subprocess.Popen[bytes]:
     """A worker as ``kinfer-worker``, checking signatures and the tenants file."""
     with log.open("wb") as out:
-        cmd = [sys.executable, "-m", "ops.cli", "worker", "--model", MODEL, "--family", "noop",
+        cmd = [sys.executable, "-m", "kinfer.ops.cli", "worker", "--model", MODEL, "--family", "noop",
                "--tenants", str(tenants)]
         env = {**os.environ, **info.env("kinfer-worker"), "HF_HUB_OFFLINE": "1"}
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)

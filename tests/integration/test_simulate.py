@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
-from ops.load import open_loop
-from ops.procs import wait_until_served
-from ops.simulate import SimConfig, SimModel, Simulation
-from producers import Client
+from kinfer.ops.load import open_loop
+from kinfer.ops.procs import wait_until_served
+from kinfer.ops.simulate import SimConfig, SimModel, Simulation
+from kinfer.producers import Client
 from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.stack import LocalStack, _alive
+from kinfer.ops.stack import LocalStack, _alive
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def kinfer(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("KINFER_BOOTSTRAP", "KINFER_REDIS_URL")}
     return subprocess.run(
-        [sys.executable, "-m", "ops.cli", "stack", *args, "--home", str(home)],
+        [sys.executable, "-m", "kinfer.ops.cli", "stack", *args, "--home", str(home)],
         capture_output=True, text=True, env=env, timeout=180, check=False,
     )
 

@@ -14,12 +14,12 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from ops.procs import spawn
-from ops.stack import StackInfo
-from producers import Client
+from kinfer.ops.procs import spawn
+from kinfer.ops.stack import StackInfo
+from kinfer.producers import Client
+from kinfer.topics import now_ms
+from kinfer.topics.stats import STATS_TOPIC, BatchStats, ModelStats, stats_key
 from tests.integration.conftest import WorkerProcess
-from topics import now_ms
-from topics.stats import STATS_TOPIC, BatchStats, ModelStats, stats_key
 
 pytestmark = pytest.mark.integration
 

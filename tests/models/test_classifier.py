@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from consumers.runners import build_runner, resolve_model
-from consumers.runners.tinylm import build_tiny_classifier
+from kinfer.consumers.runners import build_runner, resolve_model
+from kinfer.consumers.runners.tinylm import build_tiny_classifier
 
 
 def test_labels_and_scores_match_the_model(tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batcher import ContinuousScheduler, GenPolicy, Sequence
-from consumers.runners.generator import GeneratorRunner, GenInput, Sampling, TokenEvent
-from consumers.runners.tinylm import build_tiny_lm
+from kinfer.batcher import ContinuousScheduler, GenPolicy, Sequence
+from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, Sampling, TokenEvent
+from kinfer.consumers.runners.tinylm import build_tiny_lm
 
 PROMPTS = [
     "the quick brown fox",

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.runners import build_runner, resolve_model
-from consumers.runners import embedding as emb
+from kinfer.consumers.runners import build_runner, resolve_model
+from kinfer.consumers.runners import embedding as emb
 
 TEXTS = [
     "hello",

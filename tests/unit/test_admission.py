@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from producers.admission import MAX_EXTRAPOLATION_S, AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
-from topics import Priority
-from topics.health import HealthState, Level
+from kinfer.producers.admission import MAX_EXTRAPOLATION_S, AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
+from kinfer.topics import Priority
+from kinfer.topics.health import HealthState, Level
 
 
 def state(level: Level, wait_ms: float = 0.0) -> HealthState:

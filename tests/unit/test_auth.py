@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from topics import ReplyRoute, Request, Result, Status, decode_replies, pack, seal
-from topics.auth import (
+from kinfer.topics import ReplyRoute, Request, Result, Status, decode_replies, pack, seal
+from kinfer.topics.auth import (
     KID_HEADER,
     SIG_HEADER,
     Refused,
@@ -23,7 +23,7 @@ from topics.auth import (
     parse_secrets,
     signer_from_env,
 )
-from topics.envelope import ReplyBatch
+from kinfer.topics.envelope import ReplyBatch
 
 SECRET = bytes(range(32))
 OLD = bytes(range(32, 64))
@@ -159,8 +159,8 @@ def test_sealed_replies_open_only_with_their_key() -> None:
 
 
 def test_reply_key_travels_in_the_request_and_is_bounded() -> None:
-    from topics import decode_request
-    from topics.errors import InvalidRequest
+    from kinfer.topics import decode_request
+    from kinfer.topics.errors import InvalidRequest
 
     key = new_reply_key()
     assert decode_request(pack(request(reply_key=key))).reply_key == key

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from topics.backoff import Backoff
+from kinfer.topics.backoff import Backoff
 
 
 def test_doubles_to_the_ceiling_with_jitter_and_resets() -> None:

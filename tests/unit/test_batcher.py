@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher import Batch, BatchPolicy, DynamicBatcher, Reason, ServicePrior, ServiceTimeModel
+from kinfer.batcher import Batch, BatchPolicy, DynamicBatcher, Reason, ServicePrior, ServiceTimeModel
 
 FAST = ServicePrior(fixed_s=0.001, per_token_s=0.0, per_input_s=0.0)  # predictions never shed by accident
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.cli import main
+from kinfer.ops.cli import main
 
 
 @pytest.mark.parametrize(("argv", "says"), [

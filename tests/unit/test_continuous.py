@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher import ContinuousScheduler, Finish, GenPolicy, Sequence
+from kinfer.batcher import ContinuousScheduler, Finish, GenPolicy, Sequence
 
 
 def seq(sid: str, prompt: int = 10, new: int = 5, **kw: float) -> Sequence:

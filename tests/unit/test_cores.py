@@ -16,14 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher import BatchPolicy, GenPolicy
-from consumers.cores import BatchCore, GenCore, Job, Outcome, Outgoing, Plan, Work
-from consumers.observer import BatchFacts, Observer, StepFacts
-from consumers.runners import ModelSpec
-from consumers.runners.generator import GeneratorRunner, GenInput, TokenEvent
-from consumers.runners.noop import NoopRunner
-from topics import Chunk, InvalidRequest, Priority, Request, Result, Status
-from topics.envelope import ReplyRoute
+from kinfer.batcher import BatchPolicy, GenPolicy
+from kinfer.consumers.cores import BatchCore, GenCore, Job, Outcome, Outgoing, Plan, Work
+from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
+from kinfer.consumers.runners import ModelSpec
+from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, TokenEvent
+from kinfer.consumers.runners.noop import NoopRunner
+from kinfer.topics import Chunk, InvalidRequest, Priority, Request, Result, Status
+from kinfer.topics.envelope import ReplyRoute
 
 ROUTE = ReplyRoute.channel("kinfer:reply:x")
 T0 = 1_000.0  # monotonic seconds: where every test's clock starts

@@ -19,15 +19,15 @@ from typing import Any
 
 import yaml
 
-from ops import secure as sec
-from ops import secure_init as si
-from ops.autoscaler import keda_scaled_object
-from ops.cli import build_parser
-from ops.scaling import ScalePolicy
+from kinfer.ops import secure as sec
+from kinfer.ops import secure_init as si
+from kinfer.ops.autoscaler import keda_scaled_object
+from kinfer.ops.cli import build_parser
+from kinfer.ops.scaling import ScalePolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "ops" / "k8s"
-SECURE_INIT = ["python", "-m", "ops.secure_init"]
+SECURE_INIT = ["python", "-m", "kinfer.ops.secure_init"]
 
 
 def k8s_objects() -> list[dict[str, Any]]:
@@ -224,7 +224,7 @@ def test_compose_services_restart_and_report_health() -> None:
 
 
 def test_every_kafka_client_acts_as_a_principal_of_the_acl_table() -> None:
-    from ops.cli import COMPONENT_PRINCIPALS
+    from kinfer.ops.cli import COMPONENT_PRINCIPALS
 
     services = compose_services()
     layout = si.layout_from(secure_init_args(services["secrets"]))

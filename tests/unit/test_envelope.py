@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from topics import (
+from kinfer.topics import (
     DeadlineExceeded,
     InvalidRequest,
     Limits,
@@ -21,7 +21,7 @@ from topics import (
     decode_result,
     pack,
 )
-from topics.envelope import salvage_route
+from kinfer.topics.envelope import salvage_route
 
 
 def make_request(**overrides: object) -> Request:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher import DeficitRoundRobin
+from kinfer.batcher import DeficitRoundRobin
 
 
 def run(drr: DeficitRoundRobin[str], cost: dict[str, float], steps: int, ready: set[str]) -> dict[str, float]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from ops.health import HealthEstimator, HealthPolicy
-from topics import MalformedRecord
-from topics.health import HealthState, Level
+from kinfer.ops.health import HealthEstimator, HealthPolicy
+from kinfer.topics import MalformedRecord
+from kinfer.topics.health import HealthState, Level
 
 
 def feed(h: HealthEstimator, start: float, seconds: float, lag: int, arrive: float, drain: float,
@@ -149,8 +149,8 @@ def test_policy_names_the_conflict() -> None:
 
 
 def test_cold_start_estimates_take_the_fastest_fresh_worker_from_the_tier_its_weights_are_in() -> None:
-    from ops.lagmon import cold_start_estimates
-    from topics.residency import ModelResidency, WorkerResidency
+    from kinfer.ops.lagmon import cold_start_estimates
+    from kinfer.topics.residency import ModelResidency, WorkerResidency
 
     now = 1_000_000
     reports = [
@@ -169,7 +169,7 @@ def test_cold_start_estimates_take_the_fastest_fresh_worker_from_the_tier_its_we
 def test_a_cold_model_that_nobody_brings_back_is_a_stall_again() -> None:
     import time
 
-    from ops.lagmon import COLD_GRACE_S, LagMonitor
+    from kinfer.ops.lagmon import COLD_GRACE_S, LagMonitor
 
     m = LagMonitor("unused:9092", "redis://unused")
     assert not m._cold("a", warm=1, lag=5, cold_start_ms=800.0, loading=False)  # warm somewhere

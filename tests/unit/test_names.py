@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from topics.admin import replication_for
-from topics.names import (
+from kinfer.topics.admin import replication_for
+from kinfer.topics.names import (
     Priority,
     consumer_group,
     parse_request_topic,
@@ -53,7 +53,7 @@ def test_replication_follows_the_cluster_unless_given() -> None:
 
 
 def test_served_models_are_read_from_a_topic_list() -> None:
-    from topics.names import served_models
+    from kinfer.topics.names import served_models
 
     topics = ["infer.b.p0", "infer.b.p1", "infer.a.p2", "infer.dlq", "replies.default", "infer.Bad.p0", "kinfer.stats"]
     assert served_models(topics) == ["a", "b"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from consumers.offsets import OffsetTracker
+from kinfer.consumers.offsets import OffsetTracker
 
 
 def test_out_of_order_completion() -> None:

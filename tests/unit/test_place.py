@@ -15,8 +15,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ops.cli import build_parser, main
-from ops.place import (
+from kinfer.ops.cli import build_parser, main
+from kinfer.ops.place import (
     MIN_WEIGHT,
     Fleet,
     ModelLoad,
@@ -183,7 +183,7 @@ def test_the_new_worker_flags_round_trip() -> None:
     assert args.memory_budget == 72.0 and args.keep_warm == 0
     # The worker's residency policy, given the command, starts as planned: every resident model on the
     # device (and of the swapped ones what fits beside them: the budget is the GPU's usable memory).
-    from batcher.residency import Residency, ResidencyPolicy, Tier
+    from kinfer.batcher.residency import Residency, ResidencyPolicy, Tier
 
     gib = 1 << 30
     footprints = {k: float(v) for k, v in (f.split("=") for f in args.footprint)}

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from ops.cli import build_parser, cmd_bench_plot, main
-from ops.plots import UnknownReport, plot_report, report_kind
+from kinfer.ops.cli import build_parser, cmd_bench_plot, main
+from kinfer.ops.plots import UnknownReport, plot_report, report_kind
 
 REPORTS = Path(__file__).resolve().parents[2] / "ops" / "reports"
 SAVED = sorted(REPORTS.glob("*.json"))
@@ -39,8 +39,8 @@ def test_every_saved_report_draws(report: Path, tmp_path: Path) -> None:
 
 def test_an_overload_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
     """Saved reports predate the timeline; a new one carries it (``ops.overload._timeline``)."""
-    from ops.overload import Outcome, _timeline
-    from topics import Priority
+    from kinfer.ops.overload import Outcome, _timeline
+    from kinfer.topics import Priority
 
     rng, outcomes, t = random.Random(3), [], 0.0
     kinds = ("ok", "ok", "ok", "rejected", "expired", "shed")
@@ -61,7 +61,7 @@ def test_an_overload_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
 
 
 def test_an_autoscale_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
-    from ops.autoscale_bench import Trace, _timeline
+    from kinfer.ops.autoscale_bench import Trace, _timeline
 
     report = json.loads((REPORTS / "autoscale.json").read_text())
     trace = Trace(**report["trace"])
@@ -134,7 +134,7 @@ def test_a_bench_that_ends_draws_its_report_or_says_why_not(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """``kinfer bench NAME --plot``: the picture's path goes into the report; a failed picture is told
     on stderr and the report is printed all the same (``cmd_bench`` then exits 2)."""
-    from ops.cli import _plot_report
+    from kinfer.ops.cli import _plot_report
 
     report = json.loads((REPORTS / "generation-cpu.json").read_text())
     assert _plot_report(report, str(tmp_path / "g.png"), "generation")

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from producers.ratelimit import KEY_PREFIX, LOCAL_DECISIONS, RedisRateLimiter
-from producers.tenants import Tenant, hash_key
+from kinfer.producers.ratelimit import KEY_PREFIX, LOCAL_DECISIONS, RedisRateLimiter
+from kinfer.producers.tenants import Tenant, hash_key
 
 
 class FakeLimiter(RedisRateLimiter):
@@ -73,7 +73,7 @@ async def test_redis_down_fails_open_to_the_local_bucket_counted_and_logged_once
     limiter = FakeLimiter(down, down, [[1, 0]], retry_s=3600)
     t = tenant(rate=1.0, burst=2)
     before = LOCAL_DECISIONS._value.get()
-    with caplog.at_level(logging.WARNING, logger="producers.ratelimit"):
+    with caplog.at_level(logging.WARNING, logger="kinfer.producers.ratelimit"):
         waits = [await limiter.take(t) for _ in range(3)]
     assert waits[:2] == [0.0, 0.0] and waits[2] > 0  # the local bucket: burst 2, then its rate
     assert len(limiter.calls) == 1  # after a failure Redis is left alone for retry_s
@@ -82,7 +82,7 @@ async def test_redis_down_fails_open_to_the_local_bucket_counted_and_logged_once
 
     limiter._retry_s = limiter._local_until = 0.0  # time passes: Redis is asked again, still down, then back
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="producers.ratelimit"):
+    with caplog.at_level(logging.WARNING, logger="kinfer.producers.ratelimit"):
         assert await limiter.take(t) > 0  # local, still empty
         assert await limiter.take(t) == 0.0  # Redis decides again
     assert len(limiter.calls) == 3

@@ -8,9 +8,9 @@ import msgpack
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaConnectionError
 
-from consumers.replies import Delivery, ReplySink, ReplyTopics
-from producers.replies import ReplyMux
-from topics import Chunk, ReplyBatch, ReplyRoute, Result, Status, Unavailable, Usage, decode_replies, pack, seal
+from kinfer.consumers.replies import Delivery, ReplySink, ReplyTopics
+from kinfer.producers.replies import ReplyMux
+from kinfer.topics import Chunk, ReplyBatch, ReplyRoute, Result, Status, Unavailable, Usage, decode_replies, pack, seal
 
 
 def result(rid: str, output: int = 1) -> Result:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher.residency import Demand, Residency, ResidencyPolicy, Tier
+from kinfer.batcher.residency import Demand, Residency, ResidencyPolicy, Tier
 
 MB = 1 << 20
 

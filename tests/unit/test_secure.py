@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from ops import secure as sec
-from ops.stack import StackInfo, apply_stack_env, resolve_endpoints
-from topics.health import HEALTH_TOPIC
-from topics.names import (
+from kinfer.ops import secure as sec
+from kinfer.ops.stack import StackInfo, apply_stack_env, resolve_endpoints
+from kinfer.topics.health import HEALTH_TOPIC
+from kinfer.topics.names import (
     DEFAULT_REPLY_TOPIC,
     DLQ_TOPIC,
     REQUEST_PREFIX,
     consumer_group,
     request_topic,
 )
-from topics.stats import STATS_TOPIC
+from kinfer.topics.stats import STATS_TOPIC
 
 MODELS = ["minilm", "noop"]
 TENANTS = {"fast": 0, "demo": 1, "bulk": 2}
@@ -290,7 +290,7 @@ def test_stack_env_per_principal(tmp_path: Path) -> None:
     assert "KINFER_SIGNING_SECRET" not in lagmon and "KINFER_TENANT" not in lagmon
     tenant = info.env("tenant-demo")
     assert tenant["KINFER_TENANT"] == "demo" and "KINFER_SIGNING_SECRET" not in tenant
-    from topics.auth import TenantCredential
+    from kinfer.topics.auth import TenantCredential
 
     assert TenantCredential.parse("demo", tenant["KINFER_TENANT_KEY"]) == TenantCredential.derive(
         bytes.fromhex(secrets.signing_secret), "demo")

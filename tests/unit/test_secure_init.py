@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ops import secure as sec
-from ops import secure_init as si
-from topics.auth import TenantCredential
+from kinfer.ops import secure as sec
+from kinfer.ops import secure_init as si
+from kinfer.topics.auth import TenantCredential
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = si.Layout()

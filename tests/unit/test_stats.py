@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from consumers.telemetry import StatsReporter
-from ops.telemetry import summarize
-from topics import MalformedRecord
-from topics.stats import BatchStats, ModelStats, size_bucket
+from kinfer.consumers.telemetry import StatsReporter
+from kinfer.ops.telemetry import summarize
+from kinfer.topics import MalformedRecord
+from kinfer.topics.stats import BatchStats, ModelStats, size_bucket
 
 
 def test_records_round_trip_and_bad_input_is_typed() -> None:

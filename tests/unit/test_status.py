@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from ops.status import Snapshot, render
-from topics.health import HealthState, Level, LevelChange
-from topics.stats import ModelStats
+from kinfer.ops.status import Snapshot, render
+from kinfer.topics.health import HealthState, Level, LevelChange
+from kinfer.topics.stats import ModelStats
 
 
 def test_status_shows_each_model_and_the_latest_decisions() -> None:
@@ -35,7 +35,7 @@ def test_level_change_round_trip() -> None:
 
 
 def test_status_shows_what_the_autoscaler_runs_and_decided() -> None:
-    from ops.scaling import ScaleDecision, ScaleState
+    from kinfer.ops.scaling import ScaleDecision, ScaleState
 
     stats = ModelStats("emb", 10.0, 61.5, 7.7, 8.0, 8.5, {8: 8.5}, {}, 1234, 10_000, workers=2)
     state = ScaleState("emb", "local", 3, 3, 1, 6, 210.0, 100.0, 10_000)
@@ -52,7 +52,7 @@ def test_status_shows_what_the_autoscaler_runs_and_decided() -> None:
 
 
 def test_status_shows_cold_models_and_each_workers_tiers_with_measured_swap_ins() -> None:
-    from topics.residency import ModelResidency, WorkerResidency
+    from kinfer.topics.residency import ModelResidency, WorkerResidency
 
     gib = 1 << 30
     cold = HealthState("rare", Level.OK, 0.0, 1000, 3, 0.0, 0.0, 10_000, warm_replicas=0, cold_start_ms=1850.0)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from producers.streams import StreamBuffer
-from topics import Chunk, DeadlineExceeded
+from kinfer.producers.streams import StreamBuffer
+from kinfer.topics import Chunk, DeadlineExceeded
 
 
 def chunk(seq: int, final: bool = False) -> Chunk:

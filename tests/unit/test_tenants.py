@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops.cli import build_parser, main
-from producers.tenants import Tenant, Tenants, TokenBucket, hash_key, is_loopback
-from topics import Priority
+from kinfer.ops.cli import build_parser, main
+from kinfer.producers.tenants import Tenant, Tenants, TokenBucket, hash_key, is_loopback
+from kinfer.topics import Priority
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "ops" / "tenants.example.json"
