@@ -20,6 +20,7 @@ import pytest
 from kinfer.ops import secure as sec
 from kinfer.ops import secure_init as si
 from kinfer.topics.auth import TenantCredential
+from tests.unit.test_secure import _handshake
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = si.Layout()
@@ -365,23 +366,3 @@ def test_the_broker_start_script_formats_once_with_the_scram_users(tmp_path: Pat
     assert refused.returncode == 1 and "down -v" in refused.stderr
     env["KINFER_NODE"] = "kafka-9"
     assert "cannot read" in start().stderr
-
-
-def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, hostname: str) -> None:
-    """A TLS handshake over memory buffers (no sockets)."""
-    s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
-    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
-    client = client_ctx.wrap_bio(c_in, c_out, server_hostname=hostname)
-    done = {"c": False, "s": False}
-    for _ in range(20):
-        for name, end, out, peer_in in (("c", client, c_out, s_in), ("s", server, s_out, c_in)):
-            if not done[name]:
-                try:
-                    end.do_handshake()
-                    done[name] = True
-                except ssl.SSLWantReadError:
-                    pass
-            peer_in.write(out.read())
-        if all(done.values()):
-            return
-    raise AssertionError("handshake did not finish")
