@@ -45,13 +45,17 @@ class ClassifierRunner(TorchResidency):
     def count_tokens(self, text: str) -> int:
         return estimate_tokens(text, self.max_length)
 
-    @torch.inference_mode()
     def run(self, texts: list[str]) -> list[Any]:
+        return self.run_counted(texts)[0]
+
+    @torch.inference_mode()
+    def run_counted(self, texts: list[str]) -> tuple[list[Any], list[int]]:
+        """The labels, and the tokens each text became (special tokens and truncation included)."""
         enc = encode(self._tokenizers.get(), texts, self.max_length, self.device)
         probs = torch.softmax(self._model(**enc).logits.float(), dim=-1).cpu()
         k = min(self.top_k, probs.shape[-1])
         top = probs.topk(k, dim=-1)
-        return [
+        outputs = [
             {
                 "label": self._labels[int(idx[0])],
                 "score": float(val[0]),
@@ -59,3 +63,4 @@ class ClassifierRunner(TorchResidency):
             }
             for val, idx in zip(top.values, top.indices, strict=True)
         ]
+        return outputs, [int(n) for n in enc["attention_mask"].sum(dim=1).tolist()]

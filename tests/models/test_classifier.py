@@ -29,3 +29,15 @@ def test_labels_and_scores_match_the_model(tmp_path: Path) -> None:
             assert out["score"] == pytest.approx(float(probs[best]), abs=1e-5)
             assert out["labels"][0]["label"] == out["label"]
             assert sum(x["score"] for x in out["labels"]) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_token_counts_are_the_tokenizers(tmp_path: Path) -> None:
+    """Usage counts tokens, not words: each text's attention mask, special tokens and truncation included."""
+    path = build_tiny_classifier(tmp_path / "clf")
+    runner = build_runner(resolve_model("sentiment", "classifier", str(path)))
+    runner.load()
+    texts = ["a fine day", "kafka partitions and consumer groups, at some length this time"]
+    outputs, counts = runner.run_counted(texts)  # type: ignore[attr-defined]
+    tok = AutoTokenizer.from_pretrained(path)
+    assert counts == [len(tok(t)["input_ids"]) for t in texts]
+    assert outputs == runner.run(texts)  # type: ignore[attr-defined]
