@@ -197,6 +197,7 @@ class _Feed:
 
     core: EngineCore
     consumer: AIOKafkaConsumer | None = None  # set while the worker is a member of the model's group
+    parked: AIOKafkaConsumer | None = None  # started, out of the group: kept for the next swap-in
     tracker: OffsetTracker[TopicPartition] = field(default_factory=OffsetTracker)
     held: set[Priority] = field(default_factory=set)  # priorities whose partitions are paused
     priority_of: dict[TopicPartition, Priority] = field(default_factory=dict)
@@ -339,7 +340,17 @@ class Worker:
     # -- residency: joining and leaving a model's group ------------------------------------
 
     async def _join(self, feed: _Feed) -> None:
-        """Become a member of the model's consumer group (the model is warm) and start fetching."""
+        """Become a member of the model's consumer group (the model is warm) and start fetching. The
+        consumer of an earlier residency is reused (its connections and metadata): a swap-in is a join."""
+        consumer, feed.parked = feed.parked, None
+        if consumer is None:
+            consumer = await self._new_consumer(feed)
+        feed.assigned.clear()
+        consumer.subscribe(request_topics(feed.name), listener=_Rebalance(self, feed))
+        feed.consumer = consumer
+        feed.fetching = self._spawn(self._fetch_loop(feed))
+
+    async def _new_consumer(self, feed: _Feed) -> AIOKafkaConsumer:
         s = self.settings
         consumer = AIOKafkaConsumer(
             **kafka_options(s.bootstrap),
@@ -359,13 +370,11 @@ class Worker:
             with contextlib.suppress(KafkaError):
                 await consumer.stop()
             raise
-        feed.assigned.clear()
-        consumer.subscribe(request_topics(feed.name), listener=_Rebalance(self, feed))
-        feed.consumer = consumer
-        feed.fetching = self._spawn(self._fetch_loop(feed))
+        return consumer
 
     async def _leave(self, feed: _Feed) -> None:
-        """Swap-out's first half: fetch nothing more, finish and answer what is here, commit, leave."""
+        """Swap-out's first half: fetch nothing more, finish and answer what is here, commit, leave the
+        group (the consumer is kept, out of the group, for the model's next swap-in)."""
         feed.draining = feed.leaving = True
         if feed.fetching is not None:
             await feed.fetching
@@ -375,16 +384,23 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), 1.0)
         await self._commit(feed)
-        await self._stop_consumer(feed)
+        consumer, feed.consumer = feed.consumer, None
+        if consumer is not None and not self._stopping.is_set():
+            _leave_on_stop(consumer)  # a static member would not send LeaveGroup
+            consumer.unsubscribe()  # leaves the group: its partitions move at once
+            feed.parked = consumer
+        elif consumer is not None:
+            feed.consumer = consumer  # stopping: the shutdown stops it
         feed.tracker = OffsetTracker()
         feed.held, feed.draining, feed.leaving, feed.fetching = set(), False, False, None
 
     async def _stop_consumer(self, feed: _Feed) -> None:
-        consumer, feed.consumer = feed.consumer, None
-        if consumer is not None:
-            with contextlib.suppress(KafkaError):
-                _leave_on_stop(consumer)
-                await consumer.stop()  # leaves the group, so partitions move at once
+        for consumer in (feed.consumer, feed.parked):
+            if consumer is not None:
+                with contextlib.suppress(KafkaError):
+                    _leave_on_stop(consumer)
+                    await consumer.stop()  # leaves the group, so partitions move at once
+        feed.consumer = feed.parked = None
 
     async def _swap_in(self, feed: _Feed, source: Tier, join: bool = True) -> None:
         """Weights to the device (from host RAM or disk), warm-up passes, then join the group: no record
