@@ -224,6 +224,8 @@ class Residency:
             for v in chosen:
                 moves += self._evict(v, now)
             moves.append(self._move(w, Tier.DEVICE, now))
+        # A model drained for one waiting model may have been evicted for another later in this plan.
+        drain = {name for name in drain if self._models[name].tier == Tier.DEVICE}
         return Plan(moves, frozenset(drain), frozenset(unservable))
 
     def _evictable(self, now: float, seen: Mapping[str, Demand], idle_only: bool,

@@ -137,7 +137,7 @@ def scenarios(draw: st.DrawFn) -> tuple[int, int, int, list[int], list[list[tupl
     return device, host, keep, sizes, steps
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(scenarios())
 def test_properties(case: tuple[int, int, int, list[int], list[list[tuple[int, bool, int]]]]) -> None:
     device, host, keep, sizes, steps = case
