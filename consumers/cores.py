@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import hmac
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -186,6 +186,8 @@ class BatchCore(EngineCore):
         request = job.request
         if request.stream:
             raise InvalidRequest(f"model {self.name!r} ({self.spec.family}) does not stream", "stream")
+        if request.messages:
+            raise InvalidRequest(f"model {self.name!r} ({self.spec.family}) does not chat: send inputs", "model")
         count = self._runner.count_tokens
         self.batcher.add(
             job, priority=int(request.priority), size=len(request.inputs),
@@ -314,8 +316,8 @@ class GenCore(EngineCore):
 
     def admit(self, job: Job, now: float) -> bool:
         request = job.request
-        if len(request.inputs) != 1:
-            raise InvalidRequest("generation takes exactly one prompt in inputs", "inputs")
+        if len(request.inputs) != 1 and not request.messages:
+            raise InvalidRequest("generation takes exactly one prompt in inputs, or a chat in messages", "inputs")
         running = self._seqs.get(request.id)
         if running is not None:
             # A revoked sequence lingers until the next step. When its request comes back (an eager
@@ -329,7 +331,15 @@ class GenCore(EngineCore):
             sampling = Sampling.from_params(request.params)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"bad sampling parameters: {exc}", "params") from exc
-        prompt = request.inputs[0]
+        templated = bool(request.messages)
+        if templated:
+            try:
+                prompt, stops = self._runner.render_chat([(m.role, m.content) for m in request.messages])
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), "messages") from exc
+            sampling = replace(sampling, stop=sampling.stop + stops)
+        else:
+            prompt = request.inputs[0]
         # An estimate that errs high (WordPiece/BPE average 3-4 characters a token): it only
         # reserves KV memory; the prompt itself is truncated to the runner's limit, never cut here.
         prompt_tokens = min(self._runner.max_prompt_tokens, len(prompt) // 3 + 2)
@@ -337,7 +347,7 @@ class GenCore(EngineCore):
             request.id, prompt_tokens=prompt_tokens, max_new_tokens=sampling.max_new_tokens,
             priority=int(request.priority), arrival=now, deadline=job.deadline,
         ))
-        self._seqs[request.id] = _Running(job, GenInput(request.id, prompt, sampling))
+        self._seqs[request.id] = _Running(job, GenInput(request.id, prompt, sampling, templated))
         return True
 
     def next(self, now: float, max_s: float | None = None) -> Plan:

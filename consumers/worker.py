@@ -672,7 +672,8 @@ class Worker:
         salvaged = salvage_route(value, self.settings.limits) if value is not None else None
         if salvaged is not None:
             rid, route, key = salvaged
-            result = Result(rid, feed.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id)
+            result = Result(rid, feed.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id,
+                            field=exc.field)
             with contextlib.suppress(Unavailable):  # the DLQ has it; the reply is a courtesy
                 await asyncio.wait_for(self._sink.publish([Delivery(route, result, key=key)]), 5.0)
         feed.tracker.done(tp, offset)

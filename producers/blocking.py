@@ -42,7 +42,7 @@ class BlockingClient:
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
 
-    def infer(self, model: str, inputs: str | Sequence[str], **options: Any) -> Result:
+    def infer(self, model: str, inputs: str | Sequence[str] = (), **options: Any) -> Result:
         return self._call(self._client.infer(model, inputs, **options))
 
     def infer_many(
@@ -50,7 +50,7 @@ class BlockingClient:
     ) -> list[Result | KinferError]:
         return self._call(self._client.infer_many(model, batch, **options))
 
-    def stream(self, model: str, prompt: str, **options: Any) -> Iterator[Chunk]:
+    def stream(self, model: str, prompt: str | None = None, **options: Any) -> Iterator[Chunk]:
         chunks = self._client.stream(model, prompt, **options)
         try:
             while True:

@@ -19,12 +19,13 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
 import msgpack
+import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -47,6 +48,7 @@ from kinfer.topics import (
     Request,
     Result,
     Status,
+    Turn,
     Unavailable,
     UnknownModel,
     decode_request,
@@ -89,6 +91,16 @@ class ClientSettings:
     def __repr__(self) -> str:  # never print credentials embedded in a URL
         redis = self.redis_url.split("@")[-1]
         return f"ClientSettings(bootstrap={self.bootstrap!r}, redis=...{redis!r}, tenant={self.tenant!r})"
+
+
+def _turn(message: Turn | Mapping[str, str]) -> Turn:
+    if isinstance(message, Turn):
+        return message
+    try:
+        return msgspec.convert(message, Turn)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"not a chat message (role: system, user or assistant; content): {exc}",
+                             "messages") from exc
 
 
 def _time_out(waiter: asyncio.Future[Any]) -> None:
@@ -222,17 +234,23 @@ class Client:
     async def infer(
         self,
         model: str,
-        inputs: str | Sequence[str],
+        inputs: str | Sequence[str] = (),
         *,
+        messages: Sequence[Turn | Mapping[str, str]] = (),
         priority: Priority | int = Priority.P1,
         deadline_ms: int | None = None,
         params: dict[str, Any] | None = None,
         request_id: str | None = None,
         tenant: str | None = None,
     ) -> Result:
-        """Run ``inputs`` through ``model``; ``deadline_ms`` is relative to now."""
+        """Run ``inputs`` through ``model``; ``deadline_ms`` is relative to now.
+
+        A generative model also takes a chat instead: ``messages``, each a ``Turn`` or a mapping with
+        ``role`` (system, user, assistant) and ``content``, rendered by the worker with the model's
+        own chat template; the one output answers the last turn.
+        """
         request, data, topic, headers = await self._prepare(
-            model, inputs, priority, deadline_ms, params, request_id, False, tenant
+            model, inputs, priority, deadline_ms, params, request_id, False, tenant, messages
         )
         self._admit(request)
         waiter = self._replies.expect(request.id)
@@ -285,15 +303,17 @@ class Client:
     async def stream(
         self,
         model: str,
-        prompt: str,
+        prompt: str | None = None,
         *,
+        messages: Sequence[Turn | Mapping[str, str]] = (),
         priority: Priority | int = Priority.P1,
         deadline_ms: int | None = None,
         params: dict[str, Any] | None = None,
         request_id: str | None = None,
         tenant: str | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Generate from ``prompt``, yielding chunks in order, each once, the last one ``final``.
+        """Generate from ``prompt`` (or a chat: ``messages``, as for ``infer``), yielding chunks in
+        order, each once, the last one ``final``.
 
         Leaving the loop early cancels the generation (best effort, over Redis): the worker frees
         the sequence's slot and KV memory at its next step. Use ``contextlib.aclosing`` to make
@@ -301,7 +321,8 @@ class Client:
         A stream that ends badly (deadline, refusal) raises the matching ``KinferError``.
         """
         request, data, topic, headers = await self._prepare(
-            model, [prompt], priority, deadline_ms, params, request_id, True, tenant
+            model, () if prompt is None else [prompt], priority, deadline_ms, params, request_id, True, tenant,
+            messages,
         )
         self._admit(request)
         buffer = self._replies.open_stream(request.id)
@@ -327,6 +348,7 @@ class Client:
     async def _prepare(
         self, model: str, inputs: str | Sequence[str], priority: Priority | int, deadline_ms: int | None,
         params: dict[str, Any] | None, request_id: str | None, stream: bool, tenant: str | None = None,
+        messages: Sequence[Turn | Mapping[str, str]] = (),
     ) -> tuple[Request, bytes, str, list[tuple[str, bytes]] | None]:
         created = now_ms()
         request = Request(
@@ -340,6 +362,7 @@ class Client:
             reply=self._replies.route(),
             params=params or {},
             stream=stream,
+            messages=tuple(_turn(m) for m in messages),
             batch_reply=True,  # our reply readers take several results in one message
             reply_key=self._replies.key,  # replies come sealed with it: a forged one is dropped
         )

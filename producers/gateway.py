@@ -62,6 +62,7 @@ from kinfer.topics import (
     Priority,
     Result,
     Shed,
+    Turn,
     Unavailable,
     UnknownModel,
 )
@@ -201,17 +202,6 @@ class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text
     name: str | None = None
-
-
-# A chat becomes one prompt: each turn tagged with its role, then the assistant's tag to answer after.
-# The same plain template for every generator model (the wire carries a prompt, not turns); the
-# turn tags are stop sequences, so an answer never runs on into an invented next turn.
-CHAT_STOP = ("<|user|>", "<|system|>")
-
-
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    turns = "".join(f"<|{'system' if m.role == 'developer' else m.role}|>\n{m.content}\n" for m in messages)
-    return f"{turns}<|assistant|>\n"
 
 
 class ChatCompletionsBody(_Generation, kw_only=True):
@@ -471,24 +461,27 @@ class _Gateway:
     async def completions(self, request: Request) -> Response:
         who = self.authenticate(request.headers)
         body = decode(await read_body(request), CompletionsBody)
-        return await self._generate(request, who, body, body.prompt, body.max_tokens, "text_completion")
+        return await self._generate(request, who, body, body.prompt, [], body.max_tokens, "text_completion")
 
     async def chat_completions(self, request: Request) -> Response:
         who = self.authenticate(request.headers)
         body = decode(await read_body(request), ChatCompletionsBody)
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
-        return await self._generate(request, who, body, chat_prompt(body.messages), max_tokens, "chat.completion",
-                                    stop=list(CHAT_STOP))
+        # The worker renders the turns with the model's own chat template (developer is OpenAI's new
+        # name for system).
+        turns = [Turn("system" if m.role == "developer" else m.role, m.content) for m in body.messages]
+        return await self._generate(request, who, body, None, turns, max_tokens, "chat.completion")
 
     async def _generate(self, request: Request, who: Tenant | None, body: CompletionsBody | ChatCompletionsBody,
-                        prompt: str, max_tokens: int, kind: str, stop: list[str] | None = None) -> Response:
-        """One generation, as an OpenAI text or chat completion (``kind``), whole or streamed."""
+                        prompt: str | None, turns: list[Turn], max_tokens: int, kind: str) -> Response:
+        """One generation from ``prompt`` or a chat's ``turns``, as an OpenAI text or chat completion
+        (``kind``), whole or streamed."""
         if (field := body.unsupported()) is not None:
             raise InvalidRequest(f"{field} is not supported by this server (use its default)", field)
         timeout_ms = self.timeout_header(request)
         route = "completions" if kind == "text_completion" else "chat"
         name = await self.admit(who, route)
-        stops = (stop or []) + ([body.stop] if isinstance(body.stop, str) else (body.stop or []))
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": body.temperature,
                                   "top_p": body.top_p, "seed": body.seed}
         if stops:
@@ -498,7 +491,7 @@ class _Gateway:
         cid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         head = {"id": cid, "object": kind, "created": created, "model": body.model}
         if body.stream:
-            chunks = self.client.stream(body.model, prompt, priority=self.priority_for(who, 1),
+            chunks = self.client.stream(body.model, prompt, messages=turns, priority=self.priority_for(who, 1),
                                         deadline_ms=deadline, params=params, tenant=name)
             first = await _first(chunks)
             REQUESTS.labels(name, route, "200").inc()
@@ -522,7 +515,8 @@ class _Gateway:
 
             return _sse_response(_sse(first, chunks, openai_chunk))
         started = time.perf_counter()
-        result = await self.client.infer(body.model, [prompt], priority=self.priority_for(who, 1),
+        result = await self.client.infer(body.model, () if prompt is None else [prompt], messages=turns,
+                                         priority=self.priority_for(who, 1),
                                          deadline_ms=deadline, params=params, tenant=name)
         LATENCY.labels(name, route).observe(time.perf_counter() - started)
         out = result.outputs[0] if result.outputs else None

@@ -107,6 +107,13 @@ class ReplyRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
         return self.kafka if self.redis is not None else None
 
 
+class Turn(msgspec.Struct, frozen=True):
+    """One message of a chat: the worker renders a request's turns with the model's chat template."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
 class Request(msgspec.Struct, frozen=True, tag="req", tag_field="t"):
     """One inference request, as published to ``infer.<model>.<priority>``."""
 
@@ -116,7 +123,7 @@ class Request(msgspec.Struct, frozen=True, tag="req", tag_field="t"):
     tenant: Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]  # who asked; quotas and metrics are per tenant
     created_ms: Annotated[int, msgspec.Meta(gt=0)]  # wall-clock ms when the client created it
     deadline_ms: int  # wall-clock ms after which a result is useless
-    inputs: tuple[str, ...]  # texts to run; each yields one output
+    inputs: tuple[str, ...]  # texts to run; each yields one output (empty for a chat)
     reply: ReplyRoute  # where the result goes
     params: dict[str, Scalar] = {}  # model-specific knobs (scalars only)
     stream: bool = False  # whether the client wants stream chunks (generation)
@@ -127,6 +134,9 @@ class Request(msgspec.Struct, frozen=True, tag="req", tag_field="t"):
     # A key the client chose (random, per client): the worker seals every reply with it
     # (``t = "sealed"``), so the client can tell a worker's reply from a forged one. Absent: no seal.
     reply_key: ReplyKey | None = None
+    # A chat (generative models): its turns in order, rendered by the worker with the model's own chat
+    # template; ``inputs`` is then empty and the one output answers the last turn.
+    messages: tuple[Turn, ...] = ()
 
 
 class Timings(msgspec.Struct, frozen=True):
@@ -160,6 +170,8 @@ class Result(msgspec.Struct, frozen=True, tag="res", tag_field="t"):
     # Tokens the model's tokenizer made of the inputs (special tokens and truncation included), for
     # usage accounting; 0 where the model does not count them. Absent in older results: 0.
     tokens: int = 0
+    field: str | None = None  # with ``invalid``: the part of the request at fault, when known
+
 
     @property
     def ok(self) -> bool:
@@ -169,7 +181,10 @@ class Result(msgspec.Struct, frozen=True, tag="res", tag_field="t"):
         """Return self when ok; otherwise raise the typed error that matches the status."""
         if self.status is Status.OK:
             return self
-        raise _STATUS_ERRORS[self.status](f"{self.model}/{self.id}: {self.status.value}: {self.error or 'no detail'}")
+        text = f"{self.model}/{self.id}: {self.status.value}: {self.error or 'no detail'}"
+        if self.status is Status.INVALID:
+            raise InvalidRequest(text, self.field)
+        raise _STATUS_ERRORS[self.status](text)
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -300,16 +315,12 @@ def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
     request = _decode(_requests, data, limits.max_message_bytes)
     if request.deadline_ms <= request.created_ms:
         raise InvalidRequest("need 0 < created_ms < deadline_ms", "deadline_ms")
-    inputs = request.inputs
-    if not inputs:
-        raise InvalidRequest(f"inputs must hold 1 to {limits.max_inputs} texts, got none", "inputs")
-    if len(inputs) > limits.max_inputs:
-        raise InvalidRequest(f"too many inputs: {len(inputs)}, over the limit of {limits.max_inputs}", "inputs")
-    for i, text in enumerate(inputs):
-        if len(text) > limits.max_text_chars:
-            raise InvalidRequest(
-                f"inputs[{i}] has {len(text)} characters, over the limit of {limits.max_text_chars}", "inputs"
-            )
+    if request.messages:
+        if request.inputs:
+            raise InvalidRequest("a chat carries its turns in messages, and no inputs", "inputs")
+        _check_texts([m.content for m in request.messages], "messages", limits)
+    else:
+        _check_texts(request.inputs, "inputs", limits)
     params = request.params
     if params:
         if len(params) > limits.max_params:
@@ -318,6 +329,19 @@ def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
             if isinstance(value, str) and len(value) > limits.max_param_chars:
                 raise InvalidRequest(f"params[{key!r}] is longer than {limits.max_param_chars}", "params")
     return request
+
+
+def _check_texts(texts: tuple[str, ...] | list[str], field: str, limits: Limits) -> None:
+    """1 to ``max_inputs`` texts (inputs, or a chat's turns), each within ``max_text_chars``."""
+    if not texts:
+        raise InvalidRequest(f"{field} must hold 1 to {limits.max_inputs} texts, got none", field)
+    if len(texts) > limits.max_inputs:
+        raise InvalidRequest(f"too many {field}: {len(texts)}, over the limit of {limits.max_inputs}", field)
+    for i, text in enumerate(texts):
+        if len(text) > limits.max_text_chars:
+            raise InvalidRequest(
+                f"{field}[{i}] has {len(text)} characters, over the limit of {limits.max_text_chars}", field
+            )
 
 
 class _Salvage(msgspec.Struct):

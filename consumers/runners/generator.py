@@ -23,7 +23,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from kinfer.consumers.runners.base import TorchResidency, drop_weights
 from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
 
-__all__ = ["GenBatch", "GenInput", "GeneratorRunner", "Sampling", "TokenEvent"]
+__all__ = ["PLAIN_CHAT_STOPS", "PLAIN_CHAT_TEMPLATE", "GenBatch", "GenInput", "GeneratorRunner", "Sampling",
+           "TokenEvent"]
+
+# For a model whose tokenizer has no chat template of its own: each turn tagged with its role, then the
+# assistant's tag to answer after. The turn tags are stop sequences (``PLAIN_CHAT_STOPS``), so an answer
+# never runs on into an invented next turn. A model's own template relies on its end-of-turn token.
+PLAIN_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+PLAIN_CHAT_STOPS = ("<|user|>", "<|system|>")
 
 
 @dataclass
@@ -149,6 +160,20 @@ class GeneratorRunner(TorchResidency):
         while self.batch is not None:
             self.step([], [])
 
+    def render_chat(self, turns: list[tuple[str, str]]) -> tuple[str, tuple[str, ...]]:
+        """The model's own chat template when its tokenizer has one, else ``PLAIN_CHAT_TEMPLATE``
+        (Jinja, rendered on the event loop: no tokenizing, no torch)."""
+        own = bool(getattr(self.tokenizer, "chat_template", None))
+        messages = [{"role": role, "content": content} for role, content in turns]
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True,
+                **({} if own else {"chat_template": PLAIN_CHAT_TEMPLATE}),
+            )
+        except Exception as exc:  # jinja2's TemplateError (raise_exception in a template), or worse
+            raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
+        return str(prompt), (() if own else PLAIN_CHAT_STOPS)
+
     def count_tokens(self, text: str) -> int:
         return min(self.max_prompt_tokens, len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1)
 
@@ -181,7 +206,7 @@ class GeneratorRunner(TorchResidency):
         return events
 
     def _prefill(self, admit: list[GenInput]) -> GenBatch:
-        encoded = [self.tokenizer(a.prompt, add_special_tokens=True)["input_ids"][-self.max_prompt_tokens:]
+        encoded = [self.tokenizer(a.prompt, add_special_tokens=not a.templated)["input_ids"][-self.max_prompt_tokens:]
                    for a in admit]
         length = max(len(e) for e in encoded)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -318,5 +343,3 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator |
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
-
-__all__ = ["GenBatch", "GenInput", "GeneratorRunner", "Sampling", "TokenEvent"]

@@ -47,6 +47,7 @@ class GenInput:
     id: str
     prompt: str
     sampling: Sampling = field(default_factory=Sampling)
+    templated: bool = False  # rendered by a chat template, which places special tokens itself
 
 
 @dataclass(frozen=True, slots=True)

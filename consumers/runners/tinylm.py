@@ -13,11 +13,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
 
+from kinfer.consumers.runners.generator import PLAIN_CHAT_TEMPLATE
 from kinfer.consumers.runners.registry import minilm_path
 
 
-def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0, eos: bool = True) -> Path:
-    """Write a tiny Llama and a tokenizer to ``path`` (idempotent); returns ``path``."""
+def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0, eos: bool = True,
+                  chat_template: str | None = PLAIN_CHAT_TEMPLATE) -> Path:
+    """Write a tiny Llama and a tokenizer (with ``chat_template`` as its own) to ``path`` (idempotent)."""
     if (path / "config.json").exists():
         return path
     tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
@@ -39,6 +41,7 @@ def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 
     model = auto.from_config(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return path
 

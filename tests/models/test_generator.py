@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kinfer.batcher import ContinuousScheduler, GenPolicy, Sequence
-from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, Sampling, TokenEvent
+from kinfer.consumers.runners.generator import PLAIN_CHAT_STOPS, GeneratorRunner, GenInput, Sampling, TokenEvent
 from kinfer.consumers.runners.tinylm import build_tiny_lm
 
 PROMPTS = [
@@ -152,3 +152,22 @@ def test_speculative_decoding_changes_nothing_but_the_number_of_steps(lm_dir: Pa
         steps_taken.append(steps)
     assert 0 < runner.spec_accepted <= runner.spec_proposed
     assert min(steps_taken) < n  # accepted drafts: several tokens from one forward pass
+
+
+def test_a_chat_is_rendered_with_the_models_own_template_else_the_plain_one(tmp_path: Path) -> None:
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}[bot]"
+    runner = GeneratorRunner(build_tiny_lm(tmp_path / "own", eos=False, chat_template=own))
+    runner.load()  # the template comes from the saved tokenizer, as a real model's would
+    turns = [("system", "be brief"), ("user", "hello there")]
+    prompt, stops = runner.render_chat(turns)
+    assert (prompt, stops) == ("[system] be brief [user] hello there [bot]", ())
+    events = runner.step([GenInput("c", prompt, Sampling(max_new_tokens=1), templated=True)], [])
+    # The template places special tokens itself: the prompt is tokenized as rendered, nothing added.
+    assert events[0].prompt_tokens == len(runner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    runner.tokenizer.chat_template = None  # a model without one gets kinfer's plain template
+    assert runner.render_chat(turns) == (
+        "<|system|>\nbe brief\n<|user|>\nhello there\n<|assistant|>\n", PLAIN_CHAT_STOPS)
+    runner.tokenizer.chat_template = "{{ raise_exception('system role not supported') }}"
+    with pytest.raises(ValueError, match="system role not supported"):
+        runner.render_chat(turns)

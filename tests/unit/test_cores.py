@@ -22,7 +22,7 @@ from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
 from kinfer.consumers.runners import ModelSpec
 from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, TokenEvent
 from kinfer.consumers.runners.noop import NoopRunner
-from kinfer.topics import Chunk, InvalidRequest, Priority, Request, Result, Status
+from kinfer.topics import Chunk, InvalidRequest, Priority, Request, Result, Status, Turn
 from kinfer.topics.envelope import ReplyRoute
 
 ROUTE = ReplyRoute.channel("kinfer:reply:x")
@@ -95,6 +95,7 @@ class FakeGenerator:
         self.rows: dict[str, tuple[GenInput, int]] = {}  # id → (input, tokens generated)
         self.steps: list[tuple[list[str], list[str]]] = []  # (admitted ids, dropped ids) per call
         self.ever: set[str] = set()
+        self.admitted: dict[str, GenInput] = {}  # every input the runner was given, by id
 
     def load(self) -> None:
         pass
@@ -105,6 +106,12 @@ class FakeGenerator:
     def count_tokens(self, text: str) -> int:
         return len(text) // 3 + 1
 
+    def render_chat(self, turns: list[tuple[str, str]]) -> tuple[str, tuple[str, ...]]:
+        """``[role] content`` per turn, then ``[bot]``; stops at ``[user]``; refuses an empty turn."""
+        if any(not content for _, content in turns):
+            raise ValueError("the template refuses an empty turn")
+        return "".join(f"[{role}] {content} " for role, content in turns) + "[bot]", ("[user]",)
+
     def step(self, admit: list[GenInput], drop: list[str]) -> list[TokenEvent]:
         self.steps.append(([a.id for a in admit], list(drop)))
         if self.fail:
@@ -114,6 +121,7 @@ class FakeGenerator:
         events = [self._token(rid) for rid in list(self.rows)]
         for a in admit:
             assert a.id not in self.rows, f"{a.id} admitted while it is still a row"
+            self.admitted[a.id] = a
             self.rows[a.id] = (a, 0)
             self.ever.add(a.id)
             events.append(self._token(a.id))
@@ -138,9 +146,11 @@ def full_text(rid: str, tokens: int) -> str:
 
 
 def request(rid: str, inputs: tuple[str, ...] = ("hello",), *, priority: Priority = Priority.P1,
-            stream: bool = False, params: dict[str, Any] | None = None, model: str = "m") -> Request:
-    return Request(id=rid, model=model, priority=priority, tenant="t", created_ms=1, deadline_ms=2, inputs=inputs,
-                   reply=ROUTE, params=params or {}, stream=stream)
+            stream: bool = False, params: dict[str, Any] | None = None, model: str = "m",
+            messages: tuple[Turn, ...] = ()) -> Request:
+    return Request(id=rid, model=model, priority=priority, tenant="t", created_ms=1, deadline_ms=2,
+                   inputs=() if messages else inputs, reply=ROUTE, params=params or {}, stream=stream,
+                   messages=messages)
 
 
 def job(req: Request, *, partition: Hashable = "tp0", offset: int = 0, deadline: float = FAR,
@@ -269,6 +279,14 @@ def test_batch_a_stream_request_is_refused() -> None:
         core.admit(job(request("s", stream=True)), T0)
     assert refused.value.field == "stream"
     assert not core.has_work() and core.buffered() == 0
+
+
+def test_batch_a_chat_is_refused_naming_the_model() -> None:
+    core, _, _ = batch_core()
+    with pytest.raises(InvalidRequest, match="does not chat") as refused:
+        core.admit(job(request("c", messages=(Turn("user", "hi"),))), T0)
+    assert refused.value.field == "model"
+    assert not core.has_work()
 
 
 def test_batch_an_expired_request_is_shed_once_and_never_runs() -> None:
@@ -454,6 +472,22 @@ def test_gen_bad_requests_are_refused() -> None:
         core.admit(job(request("y", params={"max_new_tokens": 0})), T0)
     assert bad.value.field == "params"
     assert not core.has_work()
+
+
+def test_gen_a_chat_is_rendered_by_the_runner_with_its_template_stops() -> None:
+    core, runner, _ = gen_core()
+    chat = (Turn("system", "be brief"), Turn("user", "hello"))
+    assert core.admit(job(request("c", messages=chat, params={"max_new_tokens": 2, "stop": "END"})), T0)
+    drain_gen(core, T0)
+    admitted = runner.admitted["c"]
+    assert admitted.prompt == "[system] be brief [user] hello [bot]" and admitted.templated
+    assert admitted.sampling.stop == ("END", "[user]")  # the caller's stops, then the template's
+    with pytest.raises(InvalidRequest, match="refuses an empty turn") as refused:
+        core.admit(job(request("e", messages=(Turn("user", ""),))), T0)
+    assert refused.value.field == "messages"
+    assert core.admit(job(request("p", ("plain",), params={"max_new_tokens": 1})), T0)
+    drain_gen(core, T0)
+    assert not runner.admitted["p"].templated and runner.admitted["p"].prompt == "plain"
 
 
 def test_gen_revoke_stops_a_running_sequence_silently() -> None:

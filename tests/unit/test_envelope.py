@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgpack
+import msgspec
 import pytest
 
+import kinfer.topics
 from kinfer.topics import (
+    Chunk,
     DeadlineExceeded,
     InvalidRequest,
     Limits,
@@ -17,6 +22,7 @@ from kinfer.topics import (
     Shed,
     Status,
     Timings,
+    Turn,
     decode_request,
     decode_result,
     pack,
@@ -84,6 +90,10 @@ def test_result_round_trip_keeps_float32_embeddings() -> None:
         ({"reply": {"redis": "bad channel name"}}, "reply"),
         ({"v": 2}, "v"),
         ({"t": "res"}, "t"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "inputs"),  # a chat carries no inputs
+        ({"inputs": [], "messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"inputs": [], "messages": [{"role": "user"}]}, "messages"),
+        ({"inputs": [], "messages": "hi"}, "messages"),
     ],
 )
 def test_invalid_fields_are_named(overrides: dict[str, object], field: str) -> None:
@@ -102,6 +112,19 @@ def test_limits_inputs_and_text_length() -> None:
     assert long.value.field == "inputs"
     with pytest.raises(InvalidRequest, match="over the limit of 10"):  # caught by the unpacker itself
         decode_request(pack(make_request(inputs=("x" * 41,))), limits)
+
+
+def test_a_chat_is_its_turns_within_the_same_limits() -> None:
+    turns = (Turn("system", "be brief"), Turn("user", "hello"), Turn("assistant", "hi"), Turn("user", "again"))
+    chat = make_request(inputs=(), messages=turns)
+    assert decode_request(pack(chat)).messages == turns
+    limits = Limits(max_inputs=3, max_text_chars=10)
+    with pytest.raises(InvalidRequest, match="too many messages") as many:
+        decode_request(pack(chat), limits)
+    assert many.value.field == "messages"
+    with pytest.raises(InvalidRequest, match=r"messages\[1\] has 11 characters") as long:
+        decode_request(pack(make_request(inputs=(), messages=(Turn("user", "a"), Turn("user", "x" * 11)))), limits)
+    assert long.value.field == "messages"
 
 
 def test_message_size_checked_before_unpacking() -> None:
@@ -150,6 +173,13 @@ def test_raise_for_status(status: Status, error: type[Exception]) -> None:
     assert ok.raise_for_status() is ok
 
 
+def test_an_invalid_result_names_the_field_at_fault() -> None:
+    back = decode_result(pack(Result("r", "m", Status.INVALID, error="does not chat", field="model")))
+    with pytest.raises(InvalidRequest, match="does not chat") as info:
+        back.raise_for_status()
+    assert info.value.field == "model"
+
+
 def test_error_flags() -> None:
     assert Shed.shed and Shed.retriable
     assert not InvalidRequest.retriable
@@ -161,3 +191,11 @@ def test_requests_keep_double_precision_and_unencodable_text_is_invalid() -> Non
     assert decode_request(pack(req)).params == {"big": 4.5e300, "tiny": 2.2250738585072014e-308}
     with pytest.raises(InvalidRequest, match="cannot encode"):
         pack(make_request(inputs=("\ud836",)))  # a lone surrogate is not UTF-8
+
+
+@pytest.mark.parametrize(("record", "form"), [(Request, "| `{}` |"), (Result, "| `{}` |"), (Chunk, "| `{}` |"),
+                                             (Timings, "`{}`")])  # timings are listed in one cell
+def test_the_wire_format_document_names_every_field(record: type[msgspec.Struct], form: str) -> None:
+    doc = (Path(kinfer.topics.__file__).parent / "WIRE_FORMAT.md").read_text()
+    missing = [f.encode_name for f in msgspec.structs.fields(record) if form.format(f.encode_name) not in doc]
+    assert not missing, f"WIRE_FORMAT.md does not describe {record.__name__}.{missing}"
