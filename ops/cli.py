@@ -333,10 +333,7 @@ def cmd_lagmon(args: argparse.Namespace) -> int:
     bootstrap, redis_url = resolve_endpoints()
     monitor = LagMonitor(bootstrap, redis_url, models=args.model or None, interval_s=args.interval_s,
                          policy=HealthPolicy(commit_interval_ms=args.commit_interval_ms))
-    if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port, addr=args.metrics_host)
+    _serve_metrics(args)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -385,10 +382,7 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
     else:
         pool = LocalPool(StackInfo.external(bootstrap, redis_url), args.model, worker_args,
                          Path(args.log_dir) if args.log_dir else None)
-    if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port, addr=args.metrics_host)
+    _serve_metrics(args)
     loop = AutoscaleLoop(bootstrap, redis_url, args.model, pool, policy, interval_s=args.interval_s,
                          commit_interval_ms=args.commit_interval_ms)
 
@@ -430,10 +424,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_metrics(args: argparse.Namespace) -> None:
+    """Prometheus metrics on ``--metrics-port`` (at ``--metrics-host``), when asked for."""
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+
+
 def cmd_telemetry(args: argparse.Namespace) -> int:
     from kinfer.ops.telemetry import run
 
     bootstrap, redis_url = resolve_endpoints()
+    _serve_metrics(args)
     run(bootstrap, redis_url, window_s=args.window_s, publish_s=args.publish_s, app_id=args.app_id,
         loglevel="debug" if args.verbose else "warning")
     return 0
@@ -726,6 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--window-s", type=int, default=10, help="tumbling window length, whole seconds")
     tl.add_argument("--publish-s", type=float, default=1.0, help="how often summaries go to Redis")
     tl.add_argument("--app-id", default="kinfer-telemetry", help="consumer group and changelog topic prefix")
+    tl.add_argument("--metrics-port", type=int)
+    tl.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     tl.set_defaults(func=cmd_telemetry)
 
     st = sub.add_parser("status", help="per model: lag, rates, level, throughput, sheds; recent decisions")

@@ -46,6 +46,15 @@ log = logging.getLogger(__name__)
 LAG = Gauge("kinfer_lag_records", "Records waiting in a model's request topics", ["model"])
 LEVEL = Gauge("kinfer_health_level", "0 ok, 1 degraded, 2 shedding, 3 rejecting", ["model"])
 LEVEL_CHANGES = Counter("kinfer_health_level_changes_total", "Level changes", ["model", "to"])
+PREDICTED_WAIT = Gauge("kinfer_predicted_wait_seconds", "Queueing a new request should expect now (what admission "
+                       "judges deadlines by)", ["model"])
+ARRIVAL = Gauge("kinfer_arrival_rps", "Records/s written to a model's request topics (smoothed)", ["model"])
+DRAIN = Gauge("kinfer_drain_rps", "Records/s committed by a model's workers (smoothed)", ["model"])
+CAPACITY = Gauge("kinfer_capacity_rps", "Records/s a model's workers drain while busy (0: not measured)", ["model"])
+WARM = Gauge("kinfer_warm_replicas", "Members of a model's consumer group: workers with it warm (-1: unknown)",
+             ["model"])
+COLD_START = Gauge("kinfer_cold_start_seconds", "While a model is cold: expected time until a worker has it warm",
+                   ["model"])
 
 
 STATS_FRESH_MS = 5_000  # a telemetry summary older than this is no evidence (the processor may be down)
@@ -179,8 +188,7 @@ class LagMonitor:
                 self._changes.append(LevelChange(state.updated_ms, model, previous.level if previous else None,
                                                  level, lag, round(estimator.wait_ms, 1)))
             self.states[model] = state
-            LAG.labels(model).set(lag)
-            LEVEL.labels(model).set(int(level))
+            _export(state)
             states.append(state)
         return states
 
@@ -197,6 +205,19 @@ class LagMonitor:
             await pipe.execute()
         self._changes = [c for c in self._changes if c.model != state.model]
         await producer.send(HEALTH_TOPIC, data, key=state.model.encode())
+
+
+def _export(state: HealthState) -> None:
+    """The state as Prometheus gauges (the dashboard's lag, level, predicted wait, rates, cold starts)."""
+    model = state.model
+    LAG.labels(model).set(state.lag)
+    LEVEL.labels(model).set(int(state.level))
+    PREDICTED_WAIT.labels(model).set(state.predicted_wait_ms / 1000.0)
+    ARRIVAL.labels(model).set(state.arrival_rps)
+    DRAIN.labels(model).set(state.drain_rps)
+    CAPACITY.labels(model).set(state.capacity_rps)
+    WARM.labels(model).set(state.warm_replicas)
+    COLD_START.labels(model).set(state.cold_start_ms / 1000.0)
 
 
 def loading_models(reports: list[WorkerResidency], now: int) -> set[str]:

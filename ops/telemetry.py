@@ -23,6 +23,7 @@ from typing import Any
 
 import faust
 import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
 from kinfer.batcher import Reason
@@ -32,6 +33,13 @@ from kinfer.topics.connect import KafkaAuth
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
 
 log = logging.getLogger(__name__)
+
+RECORDS = Counter("kinfer_telemetry_records_total", "Per-batch stats records aggregated", ["model"])
+MALFORMED = Counter("kinfer_telemetry_malformed_total", "Stats records skipped as unreadable")
+SERVICE = Gauge("kinfer_telemetry_service_seconds", "Mean compute time of a batch, last two windows", ["model"])
+SERVED = Gauge("kinfer_telemetry_inputs_rps", "Inputs served per second, last two windows", ["model"])
+REPORTING = Gauge("kinfer_telemetry_workers", "Workers that sent stats in the last two windows", ["model"])
+PUBLISHED = Gauge("kinfer_telemetry_published_timestamp_seconds", "When summaries last reached Redis")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SHED_REASONS = tuple(r.value for r in Reason)
@@ -113,7 +121,9 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
                 s = BatchStats.unpack(value)
             except MalformedRecord as exc:
                 log.warning("skipping a malformed stats record: %s", exc)
+                MALFORMED.inc()
                 continue
+            RECORDS.labels(s.model).inc()
             n = max(1, s.batches)  # a record sums this many batches of one size bucket
             if s.size:
                 seen[f"{s.model}|{s.worker}"] = s.at_ms
@@ -149,11 +159,15 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
             since = (now - window_s - elapsed) * 1000.0
             workers = sum(1 for key, at in seen.items() if key.startswith(f"{model}|") and at >= since)
             summary = summarize(model, window_s, elapsed, windows, totals[model], workers)
+            SERVICE.labels(model).set(summary.service_ms / 1000.0)
+            SERVED.labels(model).set(summary.inputs_rps)
+            REPORTING.labels(model).set(workers)
             try:
                 await redis.set(stats_key(model), summary.pack(), px=int(max(30.0, window_s * 6) * 1000))
             except (RedisError, OSError) as exc:
                 log.warning("telemetry: Redis unreachable: %s", exc)
                 return
+        PUBLISHED.set(now)
 
     app.timer(interval=publish_s)(publish)
     return app

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 
 from kinfer.ops.procs import spawn
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics import now_ms
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, ModelStats, stats_key
@@ -30,10 +32,11 @@ class Telemetry:
     def __init__(self, stack: StackInfo, log_dir: Path, app_id: str) -> None:
         self.stack, self.log_path, self.app_id = stack, log_dir / f"{app_id}.log", app_id
         self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_port = free_port()
 
     def start(self) -> None:
         self.proc = spawn(self.stack, "telemetry", "--app-id", self.app_id, "--window-s", "120", "--publish-s", "0.3",
-                          log_path=str(self.log_path))
+                          "--metrics-port", str(self.metrics_port), log_path=str(self.log_path))
 
     def stop(self) -> int:
         assert self.proc is not None
@@ -43,6 +46,13 @@ class Telemetry:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+    def metrics(self, model: str) -> dict[str, float]:
+        """The processor's samples labelled with ``model``."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.labels.get("model") == model}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
@@ -110,6 +120,9 @@ async def test_windowed_tables_survive_a_restart(stack: StackInfo, tmp_path: Pat
         assert first.shed == {"codel": 3, "expired": 2}
         assert first.mean_batch == pytest.approx(10 / 3, abs=1e-3)
         assert first.inputs_rps > 0
+        metrics = telemetry.metrics(model)  # its Prometheus port says the same
+        assert metrics["kinfer_telemetry_records_total"] == 4
+        assert metrics["kinfer_telemetry_service_seconds"] == pytest.approx(first.service_ms / 1000)
 
         assert telemetry.stop() == 0  # graceful: commits, leaves the group
         restarted = now_ms()

@@ -181,3 +181,19 @@ def test_a_cold_model_that_nobody_brings_back_is_a_stall_again() -> None:
     assert m._cold("a", warm=0, lag=5, cold_start_ms=800.0, loading=True)  # unless a worker is loading it
     m._cold_since["a"] = time.monotonic() - COLD_GRACE_S - 1
     assert m._cold("a", warm=0, lag=5, cold_start_ms=10_000.0, loading=False)  # twice a long cold start
+
+
+def test_the_lag_monitor_exports_what_admission_sees() -> None:
+    from prometheus_client import REGISTRY
+
+    from kinfer.ops.lagmon import _export
+
+    _export(HealthState(model="exported", level=Level.SHEDDING, predicted_wait_ms=250.0, retry_after_ms=500, lag=7,
+                        arrival_rps=3.0, drain_rps=2.0, updated_ms=1, capacity_rps=4.0, warm_replicas=0,
+                        cold_start_ms=1500.0))
+    seen = {name: REGISTRY.get_sample_value(name, {"model": "exported"}) for name in (
+        "kinfer_lag_records", "kinfer_health_level", "kinfer_predicted_wait_seconds", "kinfer_arrival_rps",
+        "kinfer_drain_rps", "kinfer_capacity_rps", "kinfer_warm_replicas", "kinfer_cold_start_seconds")}
+    assert seen == {"kinfer_lag_records": 7, "kinfer_health_level": int(Level.SHEDDING),
+                    "kinfer_predicted_wait_seconds": 0.25, "kinfer_arrival_rps": 3.0, "kinfer_drain_rps": 2.0,
+                    "kinfer_capacity_rps": 4.0, "kinfer_warm_replicas": 0, "kinfer_cold_start_seconds": 1.5}
