@@ -116,7 +116,7 @@ def test_the_keda_object_is_what_the_emitter_writes() -> None:
 
 
 def test_the_image_runs_as_a_user_and_a_code_change_does_not_reinstall_torch() -> None:
-    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()]
     instructions = [line.split(None, 1) for line in lines if line and not line.startswith("#") and line[0].isupper()]
     names = [i[0] for i in instructions]
     deps = next(n for n, i in enumerate(instructions) if i[0] == "RUN" and "tomllib" in i[1])
@@ -128,6 +128,36 @@ def test_the_image_runs_as_a_user_and_a_code_change_does_not_reinstall_torch() -
     cmd = next(i[1] for i in instructions if i[0] == "CMD")
     assert parses(yaml.safe_load(cmd)).command == "gateway"
     assert "EXPOSE" in names
+
+
+def test_the_image_has_build_stages_a_cuda_variant_a_healthcheck_and_the_license() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM \S+ AS (\w+)$", text, re.MULTILINE)
+    assert stages == ["deps", "build", "runtime"]
+    runtime = text.split("AS runtime", 1)[1]
+    assert "COPY --from=build /opt/kinfer /opt/kinfer" in runtime and "pip install" not in runtime
+    assert "ARG TORCH=cpu" in text and "download.pytorch.org/whl/${TORCH}" in text
+    assert 'CMD ["python", "-m", "kinfer.ops.healthcheck"]' in runtime and "HEALTHCHECK" in runtime
+    assert "COPY LICENSE" in runtime and (ROOT / "LICENSE").read_text().count("Apache License") >= 1
+    gpu = compose_services()["worker-minilm-gpu"]
+    assert gpu["build"]["args"] == {"TORCH": "cu124"}
+
+
+def test_every_kinfer_service_is_checked_where_it_serves() -> None:
+    """The image's check (ops/healthcheck.py) asks each compose service what its command serves:
+    the gateway's /healthz, else the metrics port Prometheus scrapes."""
+    from kinfer.ops.healthcheck import probe
+
+    targets = prometheus_targets()
+    for name, service in compose_services().items():
+        if service.get("healthcheck", {}).get("test") != ["CMD", "python", "-m", "kinfer.ops.healthcheck"]:
+            continue
+        kind, port = probe(["/opt/kinfer/bin/kinfer", *service["command"][1:]]) or ("none", 0)
+        host = "kinfer-workers" if "kinfer-workers" in str(service.get("networks")) else name
+        assert kind == "tcp" and (host, port) in targets, (name, kind, port)
+    assert probe(["kinfer", "gateway", "--port", "8080"]) == ("http", 8080)
+    assert probe(["kinfer", "topics", "--model", "m"]) is None  # nothing to ask: healthy while it runs
+    assert probe(["python", "-m", "kinfer.ops.secure_init"]) is None
 
 
 
@@ -493,3 +523,35 @@ def test_grafana_is_provisioned_with_the_dashboard_and_its_datasource() -> None:
     prometheus = compose_services()["prometheus"]
     assert mounts(prometheus)["./ops/prometheus/prometheus.yml"] == ("/etc/prometheus/prometheus.yml", True)
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+
+
+def test_the_healthcheck_asks_the_gateway_and_metrics_ports() -> None:
+    import http.server
+    import socket
+    import threading
+
+    from kinfer.ops.healthcheck import healthy
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    try:
+        assert healthy(("http", server.server_address[1]))
+        assert healthy(("tcp", listener.getsockname()[1]))
+        assert not healthy(("tcp", closed_port)) and not healthy(("http", closed_port))
+        assert healthy(None)
+    finally:
+        server.shutdown()
+        server.server_close()
+        listener.close()
