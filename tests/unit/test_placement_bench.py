@@ -33,3 +33,15 @@ def test_summary_separates_hot_from_cold_and_counts_the_lost() -> None:
 def test_a_run_without_hot_results_reports_none_not_nan() -> None:
     s = _summarise([{"model": "a", "kind": "timed_out", "cold_at_send": False, "latency_ms": 1.0}], ["a"])
     assert s["hot_p95_ms"] is None and s["cold_start_ms"] is None and not s["hot_meets_sla"]
+
+
+def test_the_hot_tail_says_where_its_time_went() -> None:
+    from kinfer.topics import Timings
+
+    outcomes = [{"model": "a", "kind": "ok", "cold_at_send": False, "latency_ms": float(ms),
+                 "timings": Timings(queue_ms=ms / 2, batch_wait_ms=1.0, compute_ms=4.0, batch_size=1)}
+                for ms in range(1, 101)]
+    tail = _summarise(outcomes, ["a"])["hot_tail"]  # the answers at or above p95: 95..100 ms
+    assert tail["requests"] == 6 and tail["latency_ms"] == 97.5
+    assert (tail["queue_ms"], tail["batch_wait_ms"], tail["compute_ms"]) == (48.8, 1.0, 4.0)
+    assert tail["outside_ms"] == pytest.approx(97.5 - 48.75 - 5.0, abs=0.1)
