@@ -16,7 +16,9 @@ The rule:
   in this process) and worth less than ``protect_ratio`` times it: the least valuable first, value
   being the model's demand (requests, decayed with ``half_life_s``; for the waiting one, its waiting
   records too) times its load weight, then least recently used. So with equal weights it is LRU; a
-  hot model, idle for a moment between two requests, keeps its place against a rarely used one.
+  hot model, idle for a moment between two requests, keeps its place against a rarely used one. A
+  cheaper resident model that is busy right now is waited for, not skipped: the room goes to the
+  least valuable, so the slot beside the hot models changes hands and the hot ones stay.
 - When every resident model has work, a model that has waited ``quantum_s`` may take the place of
   one that has held the device at least that long (time slicing, so nobody starves): that one is
   first *drained* — the shell stops fetching it, finishes what it holds — and evicted once idle.
@@ -187,7 +189,7 @@ class Residency:
                 m.waiting_since = now
         # A footprint measured larger than its estimate can leave the device over budget: shed first.
         while self.used(Tier.DEVICE) > self.policy.device_budget:
-            victims = self._evictable(now, seen, idle_only=True)
+            victims = [m for m, now_ok in self._evictable(now, seen, idle_only=True) if now_ok]
             if not victims:
                 break
             moves += self._evict(victims[0], now)
@@ -209,9 +211,9 @@ class Residency:
             claim = w.weight * (self._decayed(w, now) + seen.get(w.name, idle).waiting)
             victims = self._evictable(now, seen, idle_only=not starved, worth_below=claim * self.policy.protect_ratio)
             chosen, room = [], 0
-            for v in victims:
-                if room >= need:
-                    break
+            for v, now_ok in victims:
+                if room >= need or not now_ok:
+                    break  # enough room, or the next cheapest is busy: wait for it, take no dearer one
                 chosen.append(v)
                 room += v.footprint
             if room < need:
@@ -229,16 +231,18 @@ class Residency:
         return Plan(moves, frozenset(drain), frozenset(unservable))
 
     def _evictable(self, now: float, seen: Mapping[str, Demand], idle_only: bool,
-                   worth_below: float = math.inf) -> list[_Model]:
-        """Resident models that may give up their place, cheapest first.
+                   worth_below: float = math.inf) -> list[tuple[_Model, bool]]:
+        """Resident models that could give up their place, cheapest first (value, then least recently
+        used), each with whether it may go now.
 
-        Idle ones (nothing waiting, nothing in process) worth less than ``worth_below`` may; with
-        ``idle_only`` False (the waiting model is starved), so may any that has held the device for a
-        quantum (busy ones are drained before they go). Never one whose fleet would be left with fewer
-        than ``keep_warm`` warm replicas.
+        Those worth less than ``worth_below`` count: idle ones (nothing waiting, nothing in process) may
+        go now, busy ones not yet (the caller waits for them rather than take a dearer one). With
+        ``idle_only`` False (the waiting model is starved), any that has held the device for a quantum
+        may go, whatever it is worth (busy ones are drained before they go). Never one whose fleet would
+        be left with fewer than ``keep_warm`` warm replicas.
         """
         idle = Demand()
-        out: list[tuple[bool, float, float, _Model]] = []
+        out: list[tuple[float, float, _Model, bool]] = []
         for m in self._models.values():
             if m.tier != Tier.DEVICE:
                 continue
@@ -247,10 +251,11 @@ class Residency:
                 continue
             quiet = d.waiting <= 0 and not d.busy
             held = now - m.tier_since >= self.policy.quantum_s
-            if (quiet and self.value(m.name, now) < worth_below) or (not idle_only and held):
-                out.append((not quiet, self.value(m.name, now), m.last_used, m))
-        out.sort(key=lambda entry: entry[:3])
-        return [entry[3] for entry in out]
+            value = self.value(m.name, now)
+            if (not idle_only and held) or value < worth_below:
+                out.append((value, m.last_used, m, (not idle_only and held) or quiet))
+        out.sort(key=lambda entry: entry[:2])
+        return [(m, now_ok) for _, _, m, now_ok in out]
 
     def _evict(self, m: _Model, now: float) -> list[Move]:
         """Off the device: to host RAM when it fits there (pushing less valuable models to disk)."""

@@ -234,6 +234,23 @@ def test_a_hot_model_idle_between_two_requests_keeps_its_place_against_a_rare_on
     assert [m.model for m in r2.plan(13.0, {"rare": Demand(waiting=1)}).moves] == ["hot", "rare"]
 
 
+def test_a_hot_idle_model_is_not_evicted_while_a_cheaper_one_is_busy_for_a_moment() -> None:
+    """The slot beside the hot models changes hands: a rare model waits for the cheap one's request to
+    finish rather than take the place of a hot model that happens to be idle."""
+    r = residency(300, quantum_s=10.0)
+    for name in ("hot", "warm", "cheap", "rare"):
+        r.register(name, 100 * MB)
+    r.initial(0.0)  # hot, warm and cheap resident
+    r.touch("hot", 1.0, 240)
+    r.touch("warm", 1.0, 80)  # within protect_ratio of rare's claim: it could be evicted when idle
+    r.touch("cheap", 1.0, 40)
+    r.touch("rare", 1.0, 30)
+    busy = {"cheap": Demand(busy=True), "rare": Demand(waiting=1)}
+    assert r.plan(2.0, busy).moves == []  # not warm, though it is idle
+    free = {"rare": Demand(waiting=1)}
+    assert [(m.model, m.to) for m in r.plan(2.5, free).moves] == [("cheap", Tier.DISK), ("rare", Tier.DEVICE)]
+
+
 def test_two_busy_models_drain_together_so_a_large_one_gets_in() -> None:
     """Both must be idle at once to make room: the drain holds every chosen victim, the idle one too."""
     r = residency(200, quantum_s=1.0)
