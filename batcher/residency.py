@@ -209,9 +209,11 @@ class Residency:
                 continue
             starved = w.waiting_since is not None and now - w.waiting_since >= self.policy.quantum_s
             claim = w.weight * (self._decayed(w, now) + seen.get(w.name, idle).waiting)
-            victims = self._evictable(now, seen, idle_only=not starved, worth_below=claim * self.policy.protect_ratio)
-            chosen, room = [], 0
-            for v, now_ok in victims:
+            candidates = self._evictable(now, seen, idle_only=not starved,
+                                         worth_below=claim * self.policy.protect_ratio)
+            chosen: list[_Model] = []
+            room = 0
+            for v, now_ok in candidates:
                 if room >= need or not now_ok:
                     break  # enough room, or the next cheapest is busy: wait for it, take no dearer one
                 chosen.append(v)
