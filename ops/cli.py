@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kinfer.batcher import BatchPolicy
+from kinfer.consumers.runners.registry import BUILTIN, FAMILIES
 from kinfer.consumers.worker import WorkerSettings
 from kinfer.ops.scaling import ScalePolicy
 from kinfer.ops.simulate import SimConfig
@@ -556,6 +557,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kinfer", description="Kafka-driven asynchronous inference")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--debug", action="store_true", help="a failure shows its traceback (also: KINFER_DEBUG=1)")
     p.add_argument("--version", action="version", version=f"kinfer {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -584,8 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="serve one or more models from their request topics")
     w.add_argument("--model", action="append", required=True,
-                   help="served name (repeat to co-locate models); built-in: minilm, noop")
-    w.add_argument("--family", help="runner family for models that are not built in (embedding, noop)")
+                   help=f"served name (repeat to co-locate models); built-in: {', '.join(BUILTIN)}")
+    w.add_argument("--family", choices=FAMILIES, help="runner family for models that are not built in")
     w.add_argument("--path", help="Hugging Face model directory")
     w.add_argument("--option", action="append", default=[], help="runner option key=value (repeatable)")
     w.add_argument("--weight", action="append", default=[], help="fair-share weight MODEL=W (default 1)")
@@ -829,7 +831,27 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("report", help="the report's JSON file (any kinfer bench)")
     bp.add_argument("--out", metavar="PNG", help="default: the report's path with .png")
     bp.set_defaults(func=cmd_bench_plot)
+    _show_defaults(p)
     return p
+
+
+_SAYS = re.compile(r"\[[^\]]*\]\s*$")  # a help that ends in "[value]" shows its default already
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's default in its help, as ``[default]``, where the help does not say it already."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
+            continue
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS) or default == []:
+            continue
+        text = action.help or ""
+        if text == argparse.SUPPRESS or "%(default)" in text or "default" in text.lower() or _SAYS.search(text):
+            continue
+        action.help = f"{text} [%(default)s]".strip()
 
 
 # Whose credentials a component takes from a secure local stack (ops.stack.apply_stack_env); other
@@ -856,14 +878,16 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
-    except (StackError, KinferError, ValueError, OSError) as exc:
+    except Exception as exc:
         # Mistakes a user can fix (a model that is not served, a bad flag or file, a dead broker) end in
-        # one line that says what to do, not a traceback; KINFER_DEBUG=1 shows the traceback too.
-        if os.environ.get("KINFER_DEBUG"):
+        # one line that says what to do, not a traceback; --debug (or KINFER_DEBUG=1) shows it.
+        if args.debug or os.environ.get("KINFER_DEBUG"):
             raise
-        print(f"kinfer {args.command}: {exc}", file=sys.stderr)
-        logging.getLogger(__name__).debug("the traceback (KINFER_DEBUG=1 raises it)", exc_info=True)
-        return 2
+        expected = isinstance(exc, StackError | KinferError | ValueError | OSError)
+        what = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+        hint = "" if expected else " (--debug shows where)"
+        print(f"kinfer {args.command}: {what or type(exc).__name__}{hint}", file=sys.stderr)
+        return 2 if expected else 1
 
 
 if __name__ == "__main__":

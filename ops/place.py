@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kinfer.topics.names import MODEL_PATTERN
+from kinfer.topics.validation import problems
 
 EPS = 1e-9  # float slack in every comparison of sums
 MIN_WEIGHT = 0.01  # a model with no traffic yet still gets turns: the worker refuses a weight of 0
@@ -509,17 +510,7 @@ def parse_models(data: Any, source: str = "models") -> list[ModelLoad]:
     try:
         parsed = _entries().validate_python(entries)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            index, *where = err["loc"]
-            entry = entries[index] if isinstance(index, int) else None
-            name = entry.get("name") if isinstance(entry, dict) else None
-            at = f"models[{index}]" + (f" ({name!r})" if isinstance(name, str) else "")
-            at += "".join(f".{w}" for w in where)
-            got = f" (got {err['input']!r})" if where and err["type"] != "missing" else ""
-            problems.append(f"{at}: {err['msg']}{got}")
-        raise ValueError(f"{source}: {len(problems)} problem{'s' * (len(problems) != 1)}: "
-                         + "; ".join(problems)) from None
+        raise ValueError(f"{source}: {problems(exc, entries, 'models')}") from None
     names = [e.name for e in parsed]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"{source}: models named more than once: {', '.join(dupes)}")

@@ -437,7 +437,10 @@ def load_models(path: str | None) -> list[SimModel]:
         return list(DEFAULT_MIX)
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text())
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not JSON or YAML: {exc}") from None
     entries = data.get("models") if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{path}: expected a list of models (or {{'models': [...]}})")
@@ -447,6 +450,7 @@ def load_models(path: str | None) -> list[SimModel]:
             if "batch_ms" in e:
                 e = {**e, "batch_ms": {int(k): float(v) for k, v in e["batch_ms"].items()}}
             models.append(SimModel(**e))
-        except TypeError as exc:
-            raise ValueError(f"{path}: model {e.get('name', '?')!r}: {exc}") from None
+        except (TypeError, AttributeError, ValueError) as exc:
+            name = e.get("name", "?") if isinstance(e, dict) else "?"
+            raise ValueError(f"{path}: model {name!r}: {exc}") from None
     return models

@@ -18,6 +18,7 @@ non-loopback ``--host`` (``is_loopback``) without ``--tenants`` unless told ``--
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -25,8 +26,11 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kinfer.topics import Priority
+from kinfer.topics.envelope import TENANT_PATTERN
+from kinfer.topics.validation import problems
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -104,6 +108,41 @@ class Tenant:
         return f"Tenant({self.name!r}, rate_per_s={self.rate_per_s}, max_priority={self.max_priority.label})"
 
 
+@functools.cache
+def _schema() -> Any:
+    """The tenants file's entries (pydantic, imported only when a file is read)."""
+    from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+
+    class TenantEntry(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        name: str = Field(min_length=1, max_length=64, pattern=TENANT_PATTERN, description="who is asking")
+        key_sha256: str = Field(description="SHA-256 of the API key, hex (kinfer gateway --hash-key KEY)")
+        rate_per_s: float = Field(default=100.0, gt=0, allow_inf_nan=False, description="sustained requests/s")
+        burst: float = Field(default=200.0, ge=1, allow_inf_nan=False, description="requests at once")
+        max_priority: int | str = Field(default=0, description="the best priority it may ask for: 0-2 or p0-p2")
+        key_version: int = Field(default=1, ge=1, description="of its request-signing key")
+
+        @field_validator("key_sha256")
+        @classmethod
+        def _hash(cls, value: str) -> str:
+            if not _SHA256_HEX.fullmatch(value):
+                raise ValueError("must be 64 lowercase hex characters, the SHA-256 of the key (`kinfer gateway "
+                                 "--hash-key KEY` prints it), never the key itself")
+            return value
+
+        @field_validator("max_priority")
+        @classmethod
+        def _priority(cls, value: int | str) -> int | str:
+            try:
+                Priority.parse(value)
+            except ValueError:
+                raise ValueError("must be 0, 1 or 2 (or p0, p1, p2)") from None
+            return value
+
+    return TypeAdapter(list[TenantEntry])
+
+
 class Tenants:
     def __init__(self, tenants: list[Tenant]) -> None:
         names = [t.name for t in tenants]
@@ -116,16 +155,25 @@ class Tenants:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tenants:
-        """Raises ``ValueError`` naming the file and what is wrong with it."""
+        """Raises ``ValueError`` naming the file and every field at fault (``tenants[i] ('name').field``)."""
+        example = '{"tenants": [{"name": "search", "key_sha256": "<hex>", "rate_per_s": 50}]}'
         try:
             data = json.loads(Path(path).read_text())
-            entries = data["tenants"]
-            if not isinstance(entries, list):
-                raise TypeError("'tenants' must be a list")
-            return cls([Tenant(**entry) for entry in entries])
-        except (KeyError, TypeError, ValueError) as exc:
-            example = '{"tenants": [{"name": "search", "key_sha256": "<hex>", "rate_per_s": 50}]}'
-            raise ValueError(f"{path}: not a tenants file ({type(exc).__name__}: {exc}); expected {example}") from exc
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a tenants file: not JSON ({exc}); expected {example}") from None
+        entries = data.get("tenants") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError(f"{path}: not a tenants file (no 'tenants' list); expected {example}")
+        from pydantic import ValidationError
+
+        try:
+            checked = _schema().validate_python(entries)
+        except ValidationError as exc:
+            raise ValueError(f"{path}: not a tenants file: {problems(exc, entries, 'tenants')}") from None
+        try:
+            return cls([Tenant(**entry.model_dump()) for entry in checked])
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
 
     def authenticate(self, key: str | None) -> Tenant | None:
         if not key:

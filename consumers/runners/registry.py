@@ -48,6 +48,10 @@ def tiny_lm_path() -> Path:
     return cache_dir() / "models" / "tiny-lm"
 
 
+FAMILIES = ("embedding", "classifier", "generator", "noop")  # what ``build_runner`` builds
+BUILTIN = ("minilm", "tiny-lm", "noop")  # served by name alone (``builtin_models``)
+
+
 def builtin_models() -> dict[str, ModelSpec]:
     return {
         "minilm": ModelSpec("minilm", "embedding", str(minilm_path())),
@@ -112,4 +116,4 @@ def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
         from kinfer.consumers.runners.noop import NoopRunner
 
         return NoopRunner(device=device, **{k: float(v) for k, v in spec.options.items()})
-    raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} (embedding, classifier, generator, noop)")
+    raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} ({', '.join(FAMILIES)})")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 from pathlib import Path
 
 import pytest
 
-from kinfer.ops.cli import main
+from kinfer.ops.cli import build_parser, main
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -39,3 +41,40 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith("kinfer ")
+
+
+def test_any_failure_is_one_line_unless_debug(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KINFER_DEBUG", raising=False)
+    bad = tmp_path / "models.yaml"
+    bad.write_text("models: [name: {")
+    assert main(["simulate", "--models", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kinfer simulate: {bad}: not JSON or YAML") and "Traceback" not in err
+    # Something nobody foresaw: still one line, naming what it was, and --debug shows where.
+    monkeypatch.setattr("kinfer.ops.simulate.load_models", lambda path: [][0])
+    assert main(["simulate"]) == 1
+    err = capsys.readouterr().err
+    assert err == "kinfer simulate: IndexError: list index out of range (--debug shows where)\n"
+    with pytest.raises(IndexError):
+        main(["--debug", "simulate"])
+
+
+def test_every_option_with_a_default_shows_it_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    def walk(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        missing = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    missing += walk(child, f"{path} {name}")
+            elif action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
+                text = action.help or ""
+                if "%(default)" not in text and "default" not in text.lower() and not text.rstrip().endswith("]"):
+                    missing.append(f"{path} {action.option_strings[-1]}")
+        return missing
+
+    assert walk(build_parser(), "kinfer") == []
+    with pytest.raises(SystemExit):
+        main(["gateway", "--help"])
+    shown = capsys.readouterr().out
+    assert re.search(r"--port PORT +\[8000\]", shown) and "[10] [10.0]" not in shown

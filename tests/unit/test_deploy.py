@@ -555,3 +555,17 @@ def test_the_healthcheck_asks_the_gateway_and_metrics_ports() -> None:
         server.shutdown()
         server.server_close()
         listener.close()
+
+
+def test_workers_and_the_gateway_have_disruption_budgets() -> None:
+    budgets = by_kind("PodDisruptionBudget")
+    for name, obj in by_kind("Deployment").items():
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        if labels["app.kubernetes.io/component"] not in ("worker", "gateway"):
+            continue
+        covering = [b for b in budgets.values() if b["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        assert len(covering) == 1, name
+        spec = covering[0]["spec"]
+        # A worker leaving is a rebalance of its group: one at a time. The gateway keeps one serving.
+        assert spec == ({"maxUnavailable": 1} if "worker" in name else {"minAvailable": 1}) | {
+            "selector": spec["selector"]}, name

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,27 @@ def test_every_deployed_gateway_on_a_shared_address_authenticates() -> None:
     assert mounted["/etc/kinfer/tenants.json"] == "${KINFER_TENANTS:-./ops/tenants.example.json}"
     tenants = Tenants.from_file(EXAMPLE)
     assert tenants.authenticate("") is None and tenants.authenticate("example") is None
+
+
+def test_a_tenants_file_is_checked_field_by_field(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.json"
+    good = hash_key("k")
+    path.write_text(json.dumps({"tenants": [
+        {"name": "search", "key_sha256": good, "rate_per_s": "fast"},
+        {"name": "ads", "key_sha256": "the-key-itself", "rate": 5, "max_priority": 9},
+    ]}))
+    with pytest.raises(ValueError) as bad:
+        Tenants.from_file(path)
+    text = str(bad.value)
+    assert text.startswith(f"{path}: not a tenants file: 4 problems: ")
+    assert "tenants[0] ('search').rate_per_s: Input should be a valid number" in text and "(got 'fast')" in text
+    assert "tenants[1] ('ads').key_sha256: Value error, must be 64 lowercase hex characters" in text
+    assert "tenants[1] ('ads').rate: Extra inputs are not permitted" in text
+    assert "tenants[1] ('ads').max_priority: Value error, must be 0, 1 or 2" in text
+    for data, says in (([], "no 'tenants' list"), ({"tenants": {}}, "no 'tenants' list"),
+                       ({"tenants": [{"key_sha256": good}]}, "tenants[0].name: Field required")):
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=re.escape(says)):
+            Tenants.from_file(path)
+    path.write_text(json.dumps({"tenants": [{"name": "a", "key_sha256": good, "max_priority": "p1"}]}))
+    assert Tenants.from_file(path).authenticate("k") is not None
