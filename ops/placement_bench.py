@@ -8,8 +8,9 @@ cold ones come and go.
    about nothing here; on a GPU it is a pinned copy over PCIe and the warm-up.
 2. **More models than the budget holds**, end to end on the local stack: one worker registers
    ``models`` copies of all-MiniLM-L6-v2 under different names with a device budget of ``resident``
-   of them and host RAM for the rest; the lag monitor runs (cold state), clients obey it; an
-   open-loop Poisson load spreads over the models by a Zipf law (a few hot, a long cold tail). Per
+   of them and host RAM for the rest; the lag monitor and the telemetry stream run (cold state,
+   capacity), clients obey them; an open-loop Poisson load spreads over the models by a Zipf law (a
+   few hot, a long cold tail). Per
    request: ok (latency from its scheduled send), refused as cold (``ColdStart``), refused otherwise,
    expired, or timed out (no answer by its deadline); lost = timed out and never answered, even late.
    Hot = the models that carry most of the traffic. The same load first runs with a budget that
@@ -33,7 +34,7 @@ from typing import Any
 from kinfer.ops.bench import _log
 from kinfer.ops.lagmon import LagMonitor
 from kinfer.ops.load import make_texts, percentile
-from kinfer.ops.procs import spawn_worker, stop_process
+from kinfer.ops.procs import spawn, spawn_worker, stop_process
 from kinfer.ops.sla import SLA_P95_MS, SLA_P99_MS, meets_sla
 from kinfer.ops.stack import LocalStack, StackInfo, free_port
 from kinfer.producers import Client
@@ -105,7 +106,8 @@ def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: floa
         _log("control: a budget for every model")
         control = _one_run(info, names, weights, hot, everything, 0.0, quantum_s, rate, seconds, deadline_ms, seed)
         report["all_resident"] = {k: control[k] for k in ("hot_p50_ms", "hot_p95_ms", "hot_p99_ms", "hot_ok_fraction",
-                                                          "hot_tail", "cold_p50_ms", "outcomes", "worker_swap_ins")}
+                                                          "hot_tail", "cold_p50_ms", "outcomes", "refused_by",
+                                                          "worker_swap_ins")}
         _log(f"budget for {resident} of {models}")
         report.update(_one_run(info, names, weights, hot, budget, host, quantum_s, rate, seconds, deadline_ms, seed))
     finally:
@@ -125,12 +127,18 @@ def _one_run(info: StackInfo, names: list[str], weights: list[float], hot: int, 
                           "--memory-budget", str(budget), "--host-memory-budget", str(host),
                           "--swap-quantum-s", str(quantum_s), "--metrics-port", str(port),
                           log_path=os.path.join(info.home, f"bench-placement-worker-{budget:g}.log"))
+    # The telemetry stream beside it, as deployed: it tells the lag monitor each model's service time, so
+    # a rarely used model's capacity is known without a queue to measure it by.
+    telemetry = spawn(info, "telemetry", "--app-id", f"kinfer-telemetry-placement-{os.getpid()}-{budget:g}",
+                      "--window-s", "5", "--publish-s", "0.5",
+                      log_path=os.path.join(info.home, "bench-placement-telemetry.log"))
     try:
         run = asyncio.run(_mixed_load(info.bootstrap, info.redis_url, names, weights, hot, rate, seconds,
                                       deadline_ms, seed, worker))
         run["worker_swap_ins"] = _swap_ins(port)
     finally:
         stop_process(worker)
+        stop_process(telemetry)
     return run
 
 
@@ -151,6 +159,14 @@ def _swap_ins(port: int) -> dict[str, dict[str, float]]:
     return {source: {"count": int(sums[("count", source)]),
                      "mean_ms": round(1000 * sums[("sum", source)] / sums[("count", source)], 1)}
             for (kind, source) in sorted(sums) if kind == "count" and sums[("count", source)]}
+
+
+def _refusal(message: str) -> str:
+    """Why admission refused (``producers.admission``): the model's level, its predicted wait against the
+    deadline, or the client's adaptive throttle."""
+    if " is rejecting " in message or " is shedding " in message:
+        return "level"
+    return "deadline" if "exceeds the" in message else "throttle"
 
 
 def _where(outcomes: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -186,21 +202,22 @@ async def _mixed_load(bootstrap: str, redis_url: str, names: list[str], weights:
             async def one(model: str, scheduled: float, text: str) -> None:
                 state = client.health(model)
                 cold = state is not None and state.warm_replicas == 0
-                timings = None
+                timings, why = None, None
                 try:
                     result = await client.infer(model, [text], deadline_ms=deadline_ms)
                     kind = "ok" if result.status.value == "ok" else result.status.value
                     timings = result.timings
                 except ColdStart:
                     kind = "refused_cold"
-                except Overloaded:
-                    kind = "refused"
+                except Overloaded as exc:
+                    kind, why = "refused", _refusal(str(exc))
                 except DeadlineExceeded as exc:
                     kind = "expired" if exc.answered else "timed_out"
                 except KinferError as exc:
                     kind = type(exc).__name__
                 outcomes.append({"model": model, "kind": kind, "cold_at_send": cold,
-                                 "latency_ms": 1000.0 * (time.monotonic() - scheduled), "timings": timings})
+                                 "latency_ms": 1000.0 * (time.monotonic() - scheduled), "timings": timings,
+                                 "why": why})
 
             _log(f"mixed load: {rate}/s for {seconds:.0f} s over {len(names)} models (Zipf)")
             tasks = []
@@ -267,6 +284,9 @@ def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int
         "cold_requests": len(cold),
         "cold_requests_served": sum(1 for o in cold if o["kind"] == "ok"),
         "cold_requests_refused_cold": sum(1 for o in cold if o["kind"] == "refused_cold"),
+        # Refused otherwise (Overloaded), by why, and whether the model had no warm replica at the send.
+        "refused_by": dict(Counter(f"{o['why']}{' (cold)' if o['cold_at_send'] else ''}"
+                                   for o in outcomes if o["kind"] == "refused")),
         "cold_p50_ms": _pct([o["latency_ms"] for o in cold if o["kind"] == "ok"], 50),
         # A request sent while its model had no warm replica, to its result: the cold start as a caller sees it.
         "cold_start_ms": round(statistics.median(served_cold), 1) if served_cold else None,

@@ -35,12 +35,13 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
@@ -219,6 +220,30 @@ class ChatCompletionsBody(_Generation, kw_only=True):
         return {**super()._asked(), "logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None,
                 "tools": bool(self.tools), "tool_choice": self.tool_choice not in (None, "none"),
                 "response_format": self.response_format not in (None, {"type": "text"})}
+
+
+T = TypeVar("T")
+
+# What OpenAI's API takes in these fields and kinfer does not: said so, not a schema error.
+_UNSUPPORTED_SHAPES = {
+    "prompt": "prompt must be one string: a list of prompts (use n requests) and token ids are not supported",
+    "input": "input must be a string or a list of strings: token ids are not supported",
+}
+
+
+def openai_decode(data: bytes, kind: type[T]) -> T:
+    """``decode`` for the OpenAI routes: a body that does not match is OpenAI's 400
+    (``invalid_request_error`` naming ``param``), and the input shapes OpenAI takes that kinfer does
+    not are named as such."""
+    try:
+        return decode(data, kind)
+    except BadBody as exc:
+        if exc.status != 422:
+            raise
+        text = str(exc)
+        if exc.field in _UNSUPPORTED_SHAPES and "got `" in text:  # a type mismatch, not a length
+            text = f"{_UNSUPPORTED_SHAPES[exc.field]} ({text})"
+        raise InvalidRequest(text, exc.field or "body") from None
 
 
 # -- the app ----------------------------------------------------------------------------------
@@ -431,7 +456,7 @@ class _Gateway:
 
     async def embeddings(self, request: Request) -> Response:
         who = self.authenticate(request.headers)
-        body = decode(await read_body(request), EmbeddingsBody)
+        body = openai_decode(await read_body(request), EmbeddingsBody)
         if body.dimensions is not None:
             raise InvalidRequest("dimensions is not supported: the model's vectors have a fixed size", "dimensions")
         timeout_ms = self.timeout_header(request)
@@ -460,12 +485,12 @@ class _Gateway:
 
     async def completions(self, request: Request) -> Response:
         who = self.authenticate(request.headers)
-        body = decode(await read_body(request), CompletionsBody)
+        body = openai_decode(await read_body(request), CompletionsBody)
         return await self._generate(request, who, body, body.prompt, [], body.max_tokens, "text_completion")
 
     async def chat_completions(self, request: Request) -> Response:
         who = self.authenticate(request.headers)
-        body = decode(await read_body(request), ChatCompletionsBody)
+        body = openai_decode(await read_body(request), ChatCompletionsBody)
         max_tokens = body.max_completion_tokens or body.max_tokens or 16
         # The worker renders the turns with the model's own chat template (developer is OpenAI's new
         # name for system).
@@ -576,7 +601,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
                 await gw.limiter.close()
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        KinferError: _kinfer_error, BadBody: _bad_body, _Unauthorized: _unauthorized, Exception: _internal,
+        KinferError: _kinfer_error, BadBody: _bad_body, _Unauthorized: _unauthorized, HTTPException: _http_error,
+        Exception: _internal,
     })
 
 
@@ -594,6 +620,14 @@ async def _bad_body(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BadBody)
     metrics.GATEWAY_ERRORS.labels(str(exc.status), "BadBody").inc()
     return json_response(error_body("invalid", str(exc)[:2000], exc.field), exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """No such route (404) or method (405): the same error shape as every other answer."""
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return json_response(error_body(kind, message), exc.status_code, dict(exc.headers or {}))
 
 
 async def _unauthorized(request: Request, exc: Exception) -> Response:

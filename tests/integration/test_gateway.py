@@ -134,6 +134,8 @@ async def test_errors_map_to_status_codes(gateway: Served) -> None:
         assert r.status_code == 422 and "priority" in r.text
         r = await http.post("/v1/completions", json={"model": gateway.emb, "prompt": "x"}, headers=auth())
         assert r.status_code == 400  # an embedding model cannot complete text
+        r = await http.delete("/v1/completions", headers=auth())  # no such method: the same error shape
+        assert r.status_code == 405 and r.json()["error"]["type"] == "method_not_allowed"
 
 
 async def test_the_health_signal_becomes_429_with_retry_after_and_the_degradation_level(
@@ -322,8 +324,9 @@ async def test_openai_package_chat_completions(gateway: Served, lm_dir: Path) ->
         with pytest.raises(openai.BadRequestError) as refused:  # an embedding model does not chat
             await oai.chat.completions.create(model=gateway.emb, messages=messages)
         assert refused.value.param == "model"
-        with pytest.raises(openai.UnprocessableEntityError):
+        with pytest.raises(openai.BadRequestError) as refused:  # OpenAI's 400 for a body off the schema
             await oai.chat.completions.create(model=gateway.lm, messages=[])
+        assert refused.value.param == "messages"
 
 
 async def test_openai_package_retrieve_usage_in_streams_and_unsupported_options(gateway: Served) -> None:
@@ -344,3 +347,14 @@ async def test_openai_package_retrieve_usage_in_streams_and_unsupported_options(
             assert refused.value.param == next(iter(options))
         with pytest.raises(openai.BadRequestError):
             await oai.embeddings.create(model=gateway.emb, input="x", dimensions=64)
+        # Input shapes OpenAI takes and kinfer does not: named, with what to send instead.
+        with pytest.raises(openai.BadRequestError, match="a list of prompts") as refused:
+            await oai.completions.create(model=gateway.lm, prompt=["a", "b"], max_tokens=2)
+        assert refused.value.param == "prompt"
+        with pytest.raises(openai.BadRequestError, match="token ids are not supported") as refused:
+            await oai.embeddings.create(model=gateway.emb, input=[[101, 2023, 102]])
+        assert refused.value.param == "input"
+        with pytest.raises(openai.NotFoundError) as missing:  # a route kinfer does not serve
+            await oai.responses.create(model=gateway.lm, input="hi")
+        assert missing.value.body == {"type": "not_found", "message": "POST /v1/responses: Not Found",
+                                      "param": None, "code": None}
