@@ -9,6 +9,7 @@ environment's site-packages on ``PYTHONPATH``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kinfer.ops.stack import StackInfo
+from tests.integration.conftest import delete_model_topics
 
 pytestmark = pytest.mark.integration
 
@@ -76,5 +78,7 @@ def test_an_installed_wheel_serves_from_another_directory(installed: Path, stack
         assert '"status": "ok"' in answer.stdout, answer.stdout
     finally:
         worker.send_signal(signal.SIGTERM)
-        assert worker.wait(60) == 0
+        stopped = worker.wait(60)
+        asyncio.run(delete_model_topics(stack.bootstrap, model))  # a later fuzzer must not find it unserved
+    assert stopped == 0
     assert files(installed) == before  # state and caches went to KINFER_HOME, not into the installed code
