@@ -17,6 +17,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kinfer.ops import secure as sec
@@ -569,3 +570,45 @@ def test_workers_and_the_gateway_have_disruption_budgets() -> None:
         # A worker leaving is a rebalance of its group: one at a time. The gateway keeps one serving.
         assert spec == ({"maxUnavailable": 1} if "worker" in name else {"minAvailable": 1}) | {
             "selector": spec["selector"]}, name
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas: what a compose engine and a cluster would check, offline
+
+
+KUBERNETES = "1.30"  # the oldest release the manifests promise to fit (PodDisruptionBudget policy/v1, ...)
+CRDS = {"ScaledObject", "Kustomization"}  # not core Kubernetes: KEDA's and kustomize's, checked above
+
+
+def test_the_compose_file_matches_the_compose_spec() -> None:
+    """tests/schemas/compose-spec.json: the Compose Specification's JSON schema (as shipped in
+    docker-compose 1.29.2's wheel, Apache-2.0)."""
+    import jsonschema
+
+    schema = json.loads((ROOT / "tests" / "schemas" / "compose-spec.json").read_text())
+    validator = jsonschema.Draft201909Validator(schema)  # its $schema (draft 2019-09)
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose_file())]
+    assert errors == []
+    broken = json.loads(json.dumps(compose_file()))
+    broken["services"]["lagmon"]["helthcheck"] = broken["services"]["lagmon"].pop("healthcheck")
+    assert not validator.is_valid(broken)  # the schema does catch a misspelt key
+
+
+def test_every_manifest_matches_the_kubernetes_schema() -> None:
+    import kubernetes_validate
+
+    from kinfer.ops.place import Fleet, load_models, place, render_k8s
+
+    emitted = list(yaml.safe_load_all(render_k8s(place(load_models(ROOT / "ops" / "models.example.yaml"),
+                                                        Fleet(gpus=12, gpu_memory_gib=80)))))
+    checked = 0
+    for obj in [*k8s_objects(), *emitted]:
+        if obj["kind"] in CRDS:
+            continue
+        kubernetes_validate.validate(obj, KUBERNETES, strict=True)  # raises, naming the field
+        checked += 1
+    assert checked >= 12
+    broken = dict(by_kind("PodDisruptionBudget")["kinfer-gateway"])
+    broken["spec"] = {**broken["spec"], "minAvaliable": 1}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES, strict=True)
