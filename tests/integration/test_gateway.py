@@ -186,6 +186,7 @@ async def test_sse_stream_and_websocket(gateway: Served) -> None:
         "POST", f"/v1/models/{gateway.lm}/stream", json=body, headers=auth()
     ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"  # no proxy may hold the stream back
         events = [line.removeprefix("data: ") async for line in r.aiter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]

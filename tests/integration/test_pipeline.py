@@ -177,3 +177,20 @@ async def test_executors_run_model_calls_side_by_side_from_one_queue(
     finally:
         worker.stop()
         await asyncio.wait_for(serving, 60)
+
+
+def test_the_cli_says_what_to_do_when_a_model_has_no_topics(stack: StackInfo, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from kinfer.ops.cli import main
+
+    for key, value in stack.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("KINFER_DEBUG", raising=False)
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    assert main(["infer", "--model", name, "hello"]) == 2  # nobody serves it
+    err = capsys.readouterr().err
+    assert err.startswith(f"kinfer infer: no topic infer.{name}.p1: model '{name}' is not served")
+    assert "Traceback" not in err
+    assert main(["worker", "--model", name, "--family", "noop"]) == 2  # it would idle with 0 partitions
+    err = capsys.readouterr().err
+    assert err.startswith(f"kinfer worker: no topics infer.{name}.p0") and f"kinfer topics --model {name}" in err
