@@ -14,8 +14,9 @@ The rule:
   forming behind them (prefetch, before it is long; a busy model's steady lag is its work in flight).
 - It takes free room, else the room of resident models that are **idle** (nothing waiting, nothing
   in this process) and worth less than ``protect_ratio`` times it: the least valuable first, value
-  being the model's demand (requests, decayed with ``half_life_s``; for the waiting one, its waiting
-  records too) times its load weight, then least recently used. So with equal weights it is LRU; a
+  being the model's demand (requests written to its topics, resident or not, decayed with
+  ``half_life_s``; for the waiting one, its waiting records too) times its load weight, then least
+  recently used. So with equal weights it is LRU; a
   hot model, idle for a moment between two requests, keeps its place against a rarely used one. A
   cheaper resident model that is busy right now is waited for, not skipped: the room goes to the
   least valuable, so the slot beside the hot models changes hands and the hot ones stay.
@@ -144,7 +145,8 @@ class Residency:
         m.tier, m.tier_since = tier, now
 
     def touch(self, name: str, now: float, requests: int = 1) -> None:
-        """``requests`` of the model were fetched: demand."""
+        """``requests`` for the model arrived (the shell counts records written to its topics, so a model
+        off the device, or one a worker just started with, is valued by its traffic, not by what it served)."""
         m = self._models[name]
         m.demand = self._decayed(m, now) + requests
         m.demand_at = now

@@ -272,6 +272,7 @@ class Worker:
         # Cold models producers asked for (kinfer:demand), wanted until then: notes come at most once a
         # second, and a model must stay wanted for a quantum before it may take a busy model's place.
         self._demanded: dict[str, float] = {}
+        self._written: dict[str, int] = {}  # records ever written to each model's topics, at the last look
         self._unservable: set[str] = set()
 
     def stop(self) -> None:
@@ -498,9 +499,16 @@ class Worker:
     async def _demand(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer) -> dict[str, Demand]:
         """Per model: its records waiting in Kafka, whether this process holds any, its warm replicas
         (asked only where they decide something: ``keep_warm``, or a model off the device that has
-        records waiting — a cold one is wanted at once, one warm elsewhere past ``prefetch_lag``)."""
+        records waiting — a cold one is wanted at once, one warm elsewhere past ``prefetch_lag``).
+        The records written to its topics since the last look are its demand, resident or not."""
+        assert self.residency is not None
         offsets = await read_offsets_many(admin, consumer, list(self.feeds))
         now = time.monotonic()
+        for name, found in offsets.items():
+            written, before = sum(found.log_end), self._written.get(name)
+            self._written[name] = written
+            if before is not None and written > before:
+                self.residency.touch(name, now, written - before)
         self._demanded = {name: until for name, until in self._demanded.items() if until > now}
         waiting = {name: sum(offsets[name].lag) if name in offsets else 0 for name in self.feeds}
         for name in self._demanded:
@@ -593,8 +601,6 @@ class Worker:
                 for record in records:
                     feed.tracker.track(tp, record.offset)
                     self._intake(feed, tp, priority, record, now, wall)
-                if self.residency is not None:
-                    self.residency.touch(feed.name, now, len(records))
             self.observer.buffered(feed.name, feed.core.buffered())
             self._wake.set()
 
