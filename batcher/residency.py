@@ -12,14 +12,14 @@ The rule:
   at the first record when nobody has it warm (it is cold), or, when other workers have it warm, once
   ``prefetch_lag`` records wait and the lag has risen ``prefetch_polls`` polls in a row — a queue
   forming behind them (prefetch, before it is long; a busy model's steady lag is its work in flight).
-- It takes free room, else the room of resident models that are **idle** (nothing waiting, nothing
-  in this process) and worth less than ``protect_ratio`` times it: the least valuable first, value
-  being the model's demand (requests written to its topics, resident or not, decayed with
-  ``half_life_s``; for the waiting one, its waiting records too) times its load weight, then least
-  recently used. So with equal weights it is LRU; a
-  hot model, idle for a moment between two requests, keeps its place against a rarely used one. A
-  cheaper resident model that is busy right now is waited for, not skipped: the room goes to the
-  least valuable, so the slot beside the hot models changes hands and the hot ones stay.
+- It takes free room, else the room of resident models that are **idle** (nothing in this process)
+  and worth less than ``protect_ratio`` times it: the least valuable first, value being the model's
+  demand (requests written to its topics, resident or not, decayed with ``half_life_s``; the waiting
+  one's claim is at least its waiting records) times its load weight, then least recently used. So
+  with equal weights it is LRU; a hot model, idle for a moment between two requests, keeps its place
+  against a rarely used one. A cheaper resident model that is busy right now is waited for, not
+  skipped: the room goes to the least valuable, so the slot beside the hot models changes hands and
+  the hot ones stay.
 - When every resident model has work, a model that has waited ``quantum_s`` may take the place of
   one that has held the device at least that long (time slicing, so nobody starves): that one is
   first *drained* — the shell stops fetching it, finishes what it holds — and evicted once idle.
@@ -210,7 +210,9 @@ class Residency:
                 moves.append(self._move(w, Tier.DEVICE, now))
                 continue
             starved = w.waiting_since is not None and now - w.waiting_since >= self.policy.quantum_s
-            claim = w.weight * (self._decayed(w, now) + seen.get(w.name, idle).waiting)
+            # Its demand counts its waiting records already (they were written); a waiting count above it
+            # is a caller refused as cold (a demand note) that never reached Kafka.
+            claim = w.weight * max(self._decayed(w, now), seen.get(w.name, idle).waiting)
             candidates = self._evictable(now, seen, idle_only=not starved,
                                          worth_below=claim * self.policy.protect_ratio)
             chosen: list[_Model] = []
@@ -239,8 +241,10 @@ class Residency:
         """Resident models that could give up their place, cheapest first (value, then least recently
         used), each with whether it may go now.
 
-        Those worth less than ``worth_below`` count: idle ones (nothing waiting, nothing in process) may
-        go now, busy ones not yet (the caller waits for them rather than take a dearer one). With
+        Those worth less than ``worth_below`` count: idle ones (nothing in this process) may go now,
+        busy ones not yet (the caller waits for them rather than take a dearer one) — records of theirs
+        still in Kafka (lag counts what is fetched and not yet committed, and other workers' queue)
+        do not make them busy here. With
         ``idle_only`` False (the waiting model is starved), any that has held the device for a quantum
         may go, whatever it is worth (busy ones are drained before they go). Never one whose fleet would
         be left with fewer than ``keep_warm`` warm replicas.
@@ -253,11 +257,10 @@ class Residency:
             d = seen.get(m.name, idle)
             if self.policy.keep_warm and d.replicas <= self.policy.keep_warm:
                 continue
-            quiet = d.waiting <= 0 and not d.busy
             held = now - m.tier_since >= self.policy.quantum_s
             value = self.value(m.name, now)
             if (not idle_only and held) or value < worth_below:
-                out.append((value, m.last_used, m, (not idle_only and held) or quiet))
+                out.append((value, m.last_used, m, (not idle_only and held) or not d.busy))
         out.sort(key=lambda entry: entry[:2])
         return [(m, now_ok) for _, _, m, now_ok in out]
 
@@ -288,4 +291,15 @@ class Residency:
         return move
 
 
-__all__ = ["Demand", "Move", "Plan", "Residency", "ResidencyPolicy", "Tier"]
+def arrivals(seen: tuple[int, ...] | None, ends: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """Records written since the last look, from the end offsets of a model's topics (per priority):
+    the new highest ends seen, and how many arrived (0 at the first look). Against the highest end
+    seen, so a topic missing from one read (an election: it reads as 0) does not bring its whole
+    history back as one poll's arrivals."""
+    if seen is None:
+        return tuple(ends), 0
+    return (tuple(max(e, s) for e, s in zip(ends, seen, strict=True)),
+            sum(max(0, e - s) for e, s in zip(ends, seen, strict=True)))
+
+
+__all__ = ["Demand", "Move", "Plan", "Residency", "ResidencyPolicy", "Tier", "arrivals"]

@@ -863,6 +863,10 @@ COMPONENT_PRINCIPALS = {
 }
 
 
+# Long-running commands: an unexpected failure is logged with its traceback (their output is a log).
+SERVICES = frozenset({"worker", "gateway", "lagmon", "telemetry", "autoscale"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -883,9 +887,17 @@ def main(argv: list[str] | None = None) -> int:
         # one line that says what to do, not a traceback; --debug (or KINFER_DEBUG=1) shows it.
         if args.debug or os.environ.get("KINFER_DEBUG"):
             raise
+        while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:  # a task group's one failure
+            inner = exc.exceptions[0]
+            if not isinstance(inner, Exception):
+                break
+            exc = inner
         expected = isinstance(exc, StackError | KinferError | ValueError | OSError)
+        if not expected and args.command in SERVICES:
+            # A service that crashed: its log keeps where (one line on the terminal is for commands).
+            logging.getLogger(__name__).error("kinfer %s failed", args.command, exc_info=exc)
         what = str(exc) if expected else f"{type(exc).__name__}: {exc}"
-        hint = "" if expected else " (--debug shows where)"
+        hint = "" if expected else f" (kinfer --debug {args.command} ... shows where)"
         print(f"kinfer {args.command}: {what or type(exc).__name__}{hint}", file=sys.stderr)
         return 2 if expected else 1
 

@@ -362,7 +362,7 @@ class Client:
             reply=self._replies.route(),
             params=params or {},
             stream=stream,
-            messages=tuple(_turn(m) for m in messages),
+            messages=tuple(map(_turn, messages)) if messages else (),
             batch_reply=True,  # our reply readers take several results in one message
             reply_key=self._replies.key,  # replies come sealed with it: a forged one is dropped
         )

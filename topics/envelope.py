@@ -172,7 +172,6 @@ class Result(msgspec.Struct, frozen=True, tag="res", tag_field="t"):
     tokens: int = 0
     field: str | None = None  # with ``invalid``: the part of the request at fault, when known
 
-
     @property
     def ok(self) -> bool:
         return self.status is Status.OK
@@ -318,7 +317,12 @@ def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
     if request.messages:
         if request.inputs:
             raise InvalidRequest("a chat carries its turns in messages, and no inputs", "inputs")
-        _check_texts([m.content for m in request.messages], "messages", limits)
+        contents = [m.content for m in request.messages]
+        _check_texts(contents, "messages", limits)
+        if (total := sum(map(len, contents))) > limits.max_text_chars:  # a chat becomes one prompt
+            raise InvalidRequest(
+                f"messages hold {total} characters together, over the limit of {limits.max_text_chars}", "messages"
+            )
     else:
         _check_texts(request.inputs, "inputs", limits)
     params = request.params

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# A field named like these is never echoed: a key pasted where its hash belongs must not reach a log.
+_SECRET = ("key", "secret", "password", "token")
+
 
 def problems(exc: Any, entries: list[Any], what: str) -> str:
     """The pydantic ``ValidationError`` of ``entries`` (validated as a list) as one line."""
@@ -18,6 +21,7 @@ def problems(exc: Any, entries: list[Any], what: str) -> str:
         name = entry.get("name") if isinstance(entry, dict) else None
         at = f"{what}[{index}]" + (f" ({name!r})" if isinstance(name, str) else "")
         at += "".join(f".{w}" for w in where)
-        got = f" (got {err['input']!r})" if where and err["type"] != "missing" else ""
+        secret = any(word in str(where[-1]).lower() for word in _SECRET) if where else False
+        got = f" (got {err['input']!r})" if where and err["type"] != "missing" and not secret else ""
         lines.append(f"{at}: {err['msg']}{got}")
     return f"{len(lines)} problem{'s' * (len(lines) != 1)}: " + "; ".join(lines)

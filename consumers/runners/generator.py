@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
@@ -130,6 +131,7 @@ class GeneratorRunner(TorchResidency):
         self.tokenizer: Any = None
         self.model: Any = None
         self.eos: set[int] = set()
+        self._specials: list[str] = []  # the tokenizer's special-token strings, removed from chat turns
         self.batch: GenBatch | None = None
         self._rows: dict[str, _Row] = {}
 
@@ -141,6 +143,9 @@ class GeneratorRunner(TorchResidency):
         self.model = model.to(self.device).eval()
         # transformers 5.x renamed ``past_key_values`` to ``cache``; the cache is updated in place.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).values()
+        specials = {*self.tokenizer.all_special_tokens, *(t.content for t in added if getattr(t, "special", False))}
+        self._specials = sorted((t for t in specials if t), key=len, reverse=True)  # longest first
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -162,17 +167,28 @@ class GeneratorRunner(TorchResidency):
 
     def render_chat(self, turns: list[tuple[str, str]]) -> tuple[str, tuple[str, ...]]:
         """The model's own chat template when its tokenizer has one, else ``PLAIN_CHAT_TEMPLATE``
-        (Jinja, rendered on the event loop: no tokenizing, no torch)."""
-        own = bool(getattr(self.tokenizer, "chat_template", None))
-        messages = [{"role": role, "content": content} for role, content in turns]
+        (Jinja in transformers' sandbox, rendered on the event loop: no tokenizing, no torch).
+
+        The rendered text is tokenized with its special tokens recognised (the template places them),
+        so a turn's own text may not carry them: they are removed from every content first — else a
+        user could end their turn and forge a system one (``<|im_end|><|im_start|>system``).
+        """
+        template = getattr(self.tokenizer, "chat_template", None)
+        messages = [{"role": role, "content": self._unspecial(content)} for role, content in turns]
         try:
             prompt = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True,
-                **({} if own else {"chat_template": PLAIN_CHAT_TEMPLATE}),
+                **({} if template else {"chat_template": PLAIN_CHAT_TEMPLATE}),
             )
-        except Exception as exc:  # jinja2's TemplateError (raise_exception in a template), or worse
+        except jinja2.TemplateError as exc:  # raise_exception() in a template: it refuses these turns
             raise ValueError(f"the model's chat template refused the messages: {exc}") from exc
-        return str(prompt), (() if own else PLAIN_CHAT_STOPS)
+        plain = not template or template == PLAIN_CHAT_TEMPLATE  # the built-in tiny-lm ships it as its own
+        return str(prompt), (PLAIN_CHAT_STOPS if plain else ())
+
+    def _unspecial(self, text: str) -> str:
+        for token in self._specials:
+            text = text.replace(token, "")
+        return text
 
     def count_tokens(self, text: str) -> int:
         return min(self.max_prompt_tokens, len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1)

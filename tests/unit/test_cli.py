@@ -55,7 +55,7 @@ def test_any_failure_is_one_line_unless_debug(tmp_path: Path, capsys: pytest.Cap
     monkeypatch.setattr("kinfer.ops.simulate.load_models", lambda path: [][0])
     assert main(["simulate"]) == 1
     err = capsys.readouterr().err
-    assert err == "kinfer simulate: IndexError: list index out of range (--debug shows where)\n"
+    assert err == "kinfer simulate: IndexError: list index out of range (kinfer --debug simulate ... shows where)\n"
     with pytest.raises(IndexError):
         main(["--debug", "simulate"])
 

@@ -157,8 +157,37 @@ def test_every_kinfer_service_is_checked_where_it_serves() -> None:
         host = "kinfer-workers" if "kinfer-workers" in str(service.get("networks")) else name
         assert kind == "tcp" and (host, port) in targets, (name, kind, port)
     assert probe(["kinfer", "gateway", "--port", "8080"]) == ("http", 8080)
+    assert probe(["/opt/kinfer/bin/python", "/opt/kinfer/bin/kinfer", "gateway"]) == ("http", 8000)
+    assert probe(["python", "-m", "kinfer.ops.cli", "lagmon", "--metrics-port=9101"]) == ("tcp", 9101)
     assert probe(["kinfer", "topics", "--model", "m"]) is None  # nothing to ask: healthy while it runs
     assert probe(["python", "-m", "kinfer.ops.secure_init"]) is None
+
+
+def test_the_healthcheck_reads_a_console_script_started_through_its_interpreter(tmp_path: Path) -> None:
+    """PID 1 of the image is the ``kinfer`` console script; Linux runs it through its #! line, so the
+    process's command line starts with the interpreter, not with kinfer."""
+    import subprocess
+    import sys
+    import time
+
+    from kinfer.ops.healthcheck import main_command, probe
+
+    script = tmp_path / "bin" / "kinfer"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(30)\n")
+    script.chmod(0o755)
+    proc = subprocess.Popen([str(script), "worker", "--model", "minilm", "--metrics-port", "9100"])
+    try:
+        for _ in range(50):  # until the interpreter has exec'd (a count, not a clock)
+            if main_command(proc.pid)[:2] == [sys.executable, str(script)]:
+                break
+            time.sleep(0.1)
+        command = main_command(proc.pid)
+        assert command[0] == sys.executable and command[1] == str(script)
+        assert probe(command) == ("tcp", 9100)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 

@@ -125,6 +125,9 @@ def test_a_chat_is_its_turns_within_the_same_limits() -> None:
     with pytest.raises(InvalidRequest, match=r"messages\[1\] has 11 characters") as long:
         decode_request(pack(make_request(inputs=(), messages=(Turn("user", "a"), Turn("user", "x" * 11)))), limits)
     assert long.value.field == "messages"
+    with pytest.raises(InvalidRequest, match="12 characters together, over the limit of 10") as total:
+        decode_request(pack(make_request(inputs=(), messages=(Turn("user", "x" * 6), Turn("user", "y" * 6)))), limits)
+    assert total.value.field == "messages"
 
 
 def test_message_size_checked_before_unpacking() -> None:

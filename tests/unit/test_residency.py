@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kinfer.batcher.residency import Demand, Residency, ResidencyPolicy, Tier
+from kinfer.batcher.residency import Demand, Residency, ResidencyPolicy, Tier, arrivals
 
 MB = 1 << 20
 
@@ -276,3 +276,28 @@ def test_a_failed_move_is_put_back() -> None:
     for m in reversed(moves):  # the swap-in failed: neither move stands
         r.place(m.model, m.source, 1.5)
     assert (r.tier("a"), r.tier("b"), r.used(Tier.DEVICE)) == (Tier.DEVICE, Tier.DISK, 100 * MB)
+
+
+def test_arrivals_count_what_was_written_and_survive_a_topic_missing_from_a_read() -> None:
+    seen, count = arrivals(None, (5, 100, 7))
+    assert count == 0  # the first look: a baseline, not a burst
+    seen, count = arrivals(seen, (6, 103, 7))
+    assert (seen, count) == ((6, 103, 7), 4)
+    seen, count = arrivals(seen, (6, 0, 9))  # p1's topic missing from this read (an election)
+    assert (seen, count) == ((6, 103, 9), 2)
+    seen, count = arrivals(seen, (6, 104, 9))  # back: one new record, not 104
+    assert (seen, count) == ((6, 104, 9), 1)
+
+
+def test_records_in_kafka_do_not_make_a_resident_model_busy_here() -> None:
+    """Lag counts what is fetched and not committed yet (and other workers' queue): a cheap model with
+    records there but nothing in this process gives up its room at once."""
+    r = residency(200)
+    for name in ("hot", "cheap", "rare"):
+        r.register(name, 100 * MB)
+    r.initial(0.0)
+    r.touch("hot", 1.0, 100)
+    r.touch("cheap", 1.0, 5)
+    r.touch("rare", 1.0, 4)
+    plan = r.plan(2.0, {"cheap": Demand(waiting=2), "rare": Demand(waiting=1)})
+    assert [(m.model, m.to) for m in plan.moves] == [("cheap", Tier.DISK), ("rare", Tier.DEVICE)]

@@ -106,6 +106,7 @@ def test_a_tenants_file_is_checked_field_by_field(tmp_path: Path) -> None:
     assert text.startswith(f"{path}: not a tenants file: 4 problems: ")
     assert "tenants[0] ('search').rate_per_s: Input should be a valid number" in text and "(got 'fast')" in text
     assert "tenants[1] ('ads').key_sha256: Value error, must be 64 lowercase hex characters" in text
+    assert "the-key-itself" not in text  # a key pasted where its hash belongs is never echoed
     assert "tenants[1] ('ads').rate: Extra inputs are not permitted" in text
     assert "tenants[1] ('ads').max_priority: Value error, must be 0, 1 or 2" in text
     for data, says in (([], "no 'tenants' list"), ({"tenants": {}}, "no 'tenants' list"),
