@@ -434,8 +434,18 @@ def k8s_deployments(placement: Placement, image: str = "kinfer:latest") -> list[
     return out
 
 
+def k8s_disruption_budget(deployment: dict[str, Any]) -> dict[str, Any]:
+    """A pool's PodDisruptionBudget, as ``ops/k8s/disruption.yaml``'s: a drain takes its workers one at a
+    time (each one leaving is a rebalance of its groups)."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": deployment["metadata"]["name"], "labels": {"app.kubernetes.io/part-of": "kinfer"}},
+            "spec": {"maxUnavailable": 1,
+                     "selector": {"matchLabels": dict(deployment["spec"]["selector"]["matchLabels"])}}}
+
+
 def render_k8s(placement: Placement, image: str = "kinfer:latest") -> str:
-    """Multi-document YAML, each Deployment under a comment that says why its pool is what it is."""
+    """Multi-document YAML: each pool's Deployment under a comment that says why its pool is what it is,
+    then its PodDisruptionBudget."""
     import yaml
 
     docs = []
@@ -444,6 +454,7 @@ def render_k8s(placement: Placement, image: str = "kinfer:latest") -> str:
         head = f"# kinfer place: {kind} pool {p.name}, {p.replicas} x 1 GPU. {p.rationale}"
         body = yaml.safe_dump(obj, sort_keys=False, default_flow_style=None, width=120)
         docs.append("\n".join(_wrap_comment(head)) + "\n" + body)
+        docs.append(yaml.safe_dump(k8s_disruption_budget(obj), sort_keys=False, default_flow_style=None, width=120))
     return "---\n".join(docs)
 
 

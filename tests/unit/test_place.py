@@ -329,8 +329,8 @@ def test_the_command_prints_json_a_table_and_manifests(capsys: pytest.CaptureFix
 
     assert main([*base, "--gpus", "12", "--emit", "k8s"]) == 0
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
-    assert [d["kind"] for d in docs] == ["Deployment"] * 3
-    assert [d["spec"]["replicas"] for d in docs] == [9, 2, 1]
+    assert [d["kind"] for d in docs] == ["Deployment", "PodDisruptionBudget"] * 3
+    assert [d["spec"]["replicas"] for d in docs[::2]] == [9, 2, 1]
 
 
 def test_a_bad_models_file_exits_2_with_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -343,8 +343,12 @@ def test_a_bad_models_file_exits_2_with_the_field(tmp_path: Path, capsys: pytest
 def test_the_manifests_follow_the_repository_conventions() -> None:
     p = place(load_models(EXAMPLE), Fleet(gpus=12, gpu_memory_gib=80))
     text = render_k8s(p)
-    docs = list(yaml.safe_load_all(text))
-    assert len(docs) == len(p.pools) and text.count("\n---\n") == len(p.pools) - 1
+    every = list(yaml.safe_load_all(text))
+    assert len(every) == 2 * len(p.pools) and text.count("\n---\n") == 2 * len(p.pools) - 1
+    docs, budgets = every[::2], every[1::2]  # each pool's Deployment, then its disruption budget
+    for obj, budget in zip(docs, budgets, strict=True):
+        assert budget["kind"] == "PodDisruptionBudget" and budget["spec"]["maxUnavailable"] == 1
+        assert budget["spec"]["selector"] == obj["spec"]["selector"]
     config = yaml.safe_load_all((ROOT / "ops" / "k8s" / "config.yaml").read_text())
     config_maps = {d["metadata"]["name"] for d in config if d and d["kind"] == "ConfigMap"}
     for obj, pool in zip(docs, p.pools, strict=True):
