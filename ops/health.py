@@ -68,7 +68,7 @@ class HealthEstimator:
     def observe(
         self, now: float, lag: int, log_end_total: int, committed_total: int,
         log_end_by_priority: tuple[int, int, int] | None = None, capacity_rps: float | None = None,
-        progressing: bool = False,
+        progressing: bool = False, cold: bool = False,
     ) -> Level:
         """One poll.
 
@@ -77,7 +77,10 @@ class HealthEstimator:
         offset-based estimate look faster than any forward pass); taken as given while it comes,
         and the offset-based estimate resumes from it when it stops. ``progressing``: the workers
         are seen running batches or steps (telemetry), so a queue whose offsets do not move is not
-        stalled — a long generation commits only when it ends.
+        stalled — a long generation commits only when it ends. ``cold``: no worker has the model warm
+        and one is bringing it in; its queue is the cold start's, which producers are told apart
+        (``cold_start_ms``): the wait and the level hold, so the model does not come back warm with a
+        level its cold spell raised.
         """
         self.lag = max(0, lag)
         self._capacity_known = capacity_rps is not None and capacity_rps > 0
@@ -108,7 +111,8 @@ class HealthEstimator:
             elif self._stalled_since is None:  # waiting since the last poll, or since now if they just came
                 self._stalled_since = self._last[0] if self._last[3] > 0 else now
             self._now = now
-            self.wait_ms += alpha * (self.instant_wait_ms() - self.wait_ms)
+            if not cold:
+                self.wait_ms += alpha * (self.instant_wait_ms() - self.wait_ms)
         self._last = (now, log_end_total, committed_total, self.lag)
         self._ends_by_priority = log_end_by_priority
         self._update_level(now)

@@ -121,6 +121,29 @@ def test_a_long_generation_is_not_a_stall_while_the_workers_make_progress() -> N
     assert h.level == Level.OK and h.instant_wait_ms() == 0.0
 
 
+def test_a_cold_spell_does_not_leave_the_level_raised() -> None:
+    """While cold the queue is the cold start's (producers are told it apart): the wait and the level
+    hold, and the model comes back warm at the level it had, not one its cold spell raised."""
+    h = HealthEstimator(HealthPolicy(smoothing_s=0.5))
+    totals = [0, 0]
+    feed(h, 0, 1, lag=0, arrive=0, drain=0, totals=totals)
+    t = 1.0
+    for lag in range(1, 30):  # three seconds cold: records pile up, nothing drains
+        t += 0.1
+        totals[0] += 1
+        h.observe(t, lag, totals[0], totals[1], progressing=True, cold=True)
+    assert h.level == Level.OK and h.wait_ms == 0.0
+    hot = HealthEstimator(HealthPolicy(smoothing_s=0.5))  # the same spell, not told it was cold
+    totals = [0, 0]
+    feed(hot, 0, 1, lag=0, arrive=0, drain=0, totals=totals)
+    t = 1.0
+    for lag in range(1, 30):
+        t += 0.1
+        totals[0] += 1
+        hot.observe(t, lag, totals[0], totals[1])
+    assert hot.level == Level.REJECTING
+
+
 def test_a_measured_capacity_stands_until_it_stops_coming() -> None:
     h = HealthEstimator(HealthPolicy(commit_interval_ms=0))
     totals = [0, 0]
