@@ -107,6 +107,7 @@ class _Model:
     waiting_since: float | None = None  # off the device with records waiting, since
     last_waiting: int = 0  # records waiting at the last plan
     rising: int = 0  # plans in a row that saw its lag rise
+    ends: tuple[int, ...] | None = None  # highest end offsets of its topics seen, per priority
 
 
 class Residency:
@@ -151,6 +152,18 @@ class Residency:
         m.demand = self._decayed(m, now) + requests
         m.demand_at = now
         m.last_used = now
+
+    def written(self, name: str, now: float, ends: tuple[int, ...]) -> int:
+        """The end offsets of the model's topics (per priority), read with its lag: what was written
+        since the last look is demand (0 at the first look). Against the highest ends seen, so a topic
+        missing from one read (an election: it reads as 0) does not bring its whole history back as one
+        poll's arrivals. Returns how many arrived."""
+        m = self._models[name]
+        seen, m.ends = m.ends, tuple(ends) if m.ends is None else tuple(map(max, ends, m.ends))
+        arrived = 0 if seen is None else sum(max(0, e - s) for e, s in zip(ends, seen, strict=True))
+        if arrived:
+            self.touch(name, now, arrived)
+        return arrived
 
     def value(self, name: str, now: float) -> float:
         m = self._models[name]
@@ -291,15 +304,4 @@ class Residency:
         return move
 
 
-def arrivals(seen: tuple[int, ...] | None, ends: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """Records written since the last look, from the end offsets of a model's topics (per priority):
-    the new highest ends seen, and how many arrived (0 at the first look). Against the highest end
-    seen, so a topic missing from one read (an election: it reads as 0) does not bring its whole
-    history back as one poll's arrivals."""
-    if seen is None:
-        return tuple(ends), 0
-    return (tuple(max(e, s) for e, s in zip(ends, seen, strict=True)),
-            sum(max(0, e - s) for e, s in zip(ends, seen, strict=True)))
-
-
-__all__ = ["Demand", "Move", "Plan", "Residency", "ResidencyPolicy", "Tier", "arrivals"]
+__all__ = ["Demand", "Move", "Plan", "Residency", "ResidencyPolicy", "Tier"]

@@ -50,7 +50,7 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
 from kinfer.batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
-from kinfer.batcher.residency import Demand, Move, Residency, ResidencyPolicy, Tier, arrivals
+from kinfer.batcher.residency import Demand, Move, Residency, ResidencyPolicy, Tier
 from kinfer.consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
 from kinfer.consumers.observer import Observers
 from kinfer.consumers.offsets import OffsetTracker
@@ -272,7 +272,6 @@ class Worker:
         # Cold models producers asked for (kinfer:demand), wanted until then: notes come at most once a
         # second, and a model must stay wanted for a quantum before it may take a busy model's place.
         self._demanded: dict[str, float] = {}
-        self._written: dict[str, tuple[int, ...]] = {}  # highest end offsets seen, per model and priority
         self._unservable: set[str] = set()
 
     def stop(self) -> None:
@@ -505,9 +504,7 @@ class Worker:
         offsets = await read_offsets_many(admin, consumer, list(self.feeds))
         now = time.monotonic()
         for name, found in offsets.items():
-            self._written[name], count = arrivals(self._written.get(name), found.log_end)
-            if count:
-                self.residency.touch(name, now, count)
+            self.residency.written(name, now, found.log_end)
         self._demanded = {name: until for name, until in self._demanded.items() if until > now}
         waiting = {name: sum(offsets[name].lag) if name in offsets else 0 for name in self.feeds}
         for name in self._demanded:

@@ -80,7 +80,7 @@ class HealthEstimator:
         stalled — a long generation commits only when it ends. ``cold``: no worker has the model warm
         and one is bringing it in; its queue is the cold start's, which producers are told apart
         (``cold_start_ms``): the wait and the level hold, so the model does not come back warm with a
-        level its cold spell raised.
+        level its cold spell raised (nor is it a stall).
         """
         self.lag = max(0, lag)
         self._capacity_known = capacity_rps is not None and capacity_rps > 0
@@ -106,7 +106,7 @@ class HealthEstimator:
                 self._drain_primed = True
             if self._queued(self._last[3]) > drained > 0 and not self._capacity_known:  # busy all interval long
                 self._observe_capacity(drained / dt, dt)
-            if drained > 0 or self.lag == 0 or progressing:
+            if drained > 0 or self.lag == 0 or progressing or cold:
                 self._stalled_since = None
             elif self._stalled_since is None:  # waiting since the last poll, or since now if they just came
                 self._stalled_since = self._last[0] if self._last[3] > 0 else now

@@ -47,9 +47,10 @@ def _kinfer_args(argv: list[str]) -> list[str] | None:
 
 
 def _option(args: list[str], name: str) -> int | None:
-    for i, arg in enumerate(args):
-        value = arg.split("=", 1)[1] if arg.startswith(f"{name}=") else (
-            args[i + 1] if arg == name and i + 1 < len(args) else None)
+    """The integer value of ``--name N`` or ``--name=N``."""
+    for arg, following in zip(args, [*args[1:], ""], strict=True):
+        _, eq, inline = arg.partition("=")
+        value = inline if eq and arg.startswith(f"{name}=") else following if arg == name else None
         if value is not None:
             return int(value) if value.isdigit() else None
     return None

@@ -176,7 +176,7 @@ class LagMonitor:
             level = estimator.observe(
                 time.monotonic(), lag, sum(offsets.log_end), offsets.committed_total, offsets.log_end,
                 capacity_rps=stats.capacity_rps if stats is not None and fresh else None,
-                progressing=cold or (stats is not None and fresh and stats.batches_rps > 0), cold=cold,
+                progressing=stats is not None and fresh and stats.batches_rps > 0, cold=cold,
             )
             state = estimator.state(model, measured, lag_by_priority=offsets.lag,
                                     service_ms=stats.service_ms if stats else 0.0, warm_replicas=warm,

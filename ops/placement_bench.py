@@ -161,14 +161,6 @@ def _swap_ins(port: int) -> dict[str, dict[str, float]]:
             for (kind, source) in sorted(sums) if kind == "count" and sums[("count", source)]}
 
 
-def _refusal(message: str) -> str:
-    """Why admission refused (``producers.admission``): the model's level, its predicted wait against the
-    deadline, or the client's adaptive throttle."""
-    if " is rejecting " in message or " is shedding " in message:
-        return "level"
-    return "deadline" if "exceeds the" in message else "throttle"
-
-
 def _where(outcomes: list[dict[str, Any]]) -> dict[str, float] | None:
     """Mean worker timings of ``outcomes`` and the rest of their latency (outside the worker)."""
     if not outcomes:
@@ -210,7 +202,7 @@ async def _mixed_load(bootstrap: str, redis_url: str, names: list[str], weights:
                 except ColdStart:
                     kind = "refused_cold"
                 except Overloaded as exc:
-                    kind, why = "refused", _refusal(str(exc))
+                    kind, why = "refused", exc.cause  # level, deadline or throttle
                 except DeadlineExceeded as exc:
                     kind = "expired" if exc.answered else "timed_out"
                 except KinferError as exc:

@@ -401,7 +401,7 @@ class Client:
                 self._demand(request.model)
                 raise ColdStart(decision.reason, decision.retry_after_s)
             level = health.level.name.lower() if health is not None else None
-            raise Overloaded(f"{request.model}: {decision.reason}", decision.retry_after_s, level)
+            raise Overloaded(f"{request.model}: {decision.reason}", decision.retry_after_s, level, decision.cause)
         key = (request.model, request.priority)
         admitted = self._admitted.get(key)
         if admitted is None:

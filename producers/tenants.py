@@ -33,6 +33,9 @@ from kinfer.topics.envelope import TENANT_PATTERN
 from kinfer.topics.validation import problems
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+# A key pasted where its hash belongs would lock the tenant out without a word.
+_HASH_RULE = ("must be 64 lowercase hex characters, the SHA-256 of the key (`kinfer gateway --hash-key KEY` "
+              "prints it), never the key itself")
 
 
 def hash_key(key: str) -> str:
@@ -94,9 +97,7 @@ class Tenant:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError("a tenant needs a name")
         if not isinstance(self.key_sha256, str) or not _SHA256_HEX.fullmatch(self.key_sha256):
-            # A key pasted where its hash belongs would lock the tenant out without a word.
-            raise ValueError(f"tenant {self.name!r}: key_sha256 must be 64 lowercase hex characters, the SHA-256 "
-                             "of the key (`kinfer gateway --hash-key KEY` prints it), never the key itself")
+            raise ValueError(f"tenant {self.name!r}: key_sha256 {_HASH_RULE}")
         self.max_priority = Priority.parse(self.max_priority)
         self.bucket = TokenBucket(self.rate_per_s, self.burst)
 
@@ -127,8 +128,7 @@ def _schema() -> Any:
         @classmethod
         def _hash(cls, value: str) -> str:
             if not _SHA256_HEX.fullmatch(value):
-                raise ValueError("must be 64 lowercase hex characters, the SHA-256 of the key (`kinfer gateway "
-                                 "--hash-key KEY` prints it), never the key itself")
+                raise ValueError(_HASH_RULE)
             return value
 
         @field_validator("max_priority")

@@ -45,10 +45,12 @@ class Overloaded(KinferError):
     retriable = True
     shed = True
 
-    def __init__(self, message: str, retry_after_s: float = 1.0, level: str | None = None) -> None:
+    def __init__(self, message: str, retry_after_s: float = 1.0, level: str | None = None,
+                 cause: str | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.level = level  # the model's degradation level when the health signal refused it
+        self.cause = cause  # why admission refused: "level", "deadline", "throttle" or "cold"
 
 
 class ColdStart(Overloaded):
@@ -56,7 +58,7 @@ class ColdStart(Overloaded):
     start, ``retry_after_s``, would outlast the request's deadline. Try again then, or with a longer one."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message, retry_after_s, "cold")
+        super().__init__(message, retry_after_s, "cold", "cold")
 
 
 class Shed(KinferError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,7 @@ class GeneratorRunner(TorchResidency):
         self.tokenizer: Any = None
         self.model: Any = None
         self.eos: set[int] = set()
-        self._specials: list[str] = []  # the tokenizer's special-token strings, removed from chat turns
+        self._specials: re.Pattern[str] | None = None  # the tokenizer's special-token strings, out of chat turns
         self.batch: GenBatch | None = None
         self._rows: dict[str, _Row] = {}
 
@@ -145,7 +146,9 @@ class GeneratorRunner(TorchResidency):
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         added = getattr(self.tokenizer, "added_tokens_decoder", {}).values()
         specials = {*self.tokenizer.all_special_tokens, *(t.content for t in added if getattr(t, "special", False))}
-        self._specials = sorted((t for t in specials if t), key=len, reverse=True)  # longest first
+        # One pass over a turn, not one per token (Llama 3 has 256 reserved ones); longest first.
+        ordered = sorted((t for t in specials if t), key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, ordered))) if ordered else None
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -186,9 +189,7 @@ class GeneratorRunner(TorchResidency):
         return str(prompt), (PLAIN_CHAT_STOPS if plain else ())
 
     def _unspecial(self, text: str) -> str:
-        for token in self._specials:
-            text = text.replace(token, "")
-        return text
+        return self._specials.sub("", text) if self._specials is not None else text
 
     def count_tokens(self, text: str) -> int:
         return min(self.max_prompt_tokens, len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1)

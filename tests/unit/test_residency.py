@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kinfer.batcher.residency import Demand, Residency, ResidencyPolicy, Tier, arrivals
+from kinfer.batcher.residency import Demand, Residency, ResidencyPolicy, Tier
 
 MB = 1 << 20
 
@@ -279,14 +279,13 @@ def test_a_failed_move_is_put_back() -> None:
 
 
 def test_arrivals_count_what_was_written_and_survive_a_topic_missing_from_a_read() -> None:
-    seen, count = arrivals(None, (5, 100, 7))
-    assert count == 0  # the first look: a baseline, not a burst
-    seen, count = arrivals(seen, (6, 103, 7))
-    assert (seen, count) == ((6, 103, 7), 4)
-    seen, count = arrivals(seen, (6, 0, 9))  # p1's topic missing from this read (an election)
-    assert (seen, count) == ((6, 103, 9), 2)
-    seen, count = arrivals(seen, (6, 104, 9))  # back: one new record, not 104
-    assert (seen, count) == ((6, 104, 9), 1)
+    r = residency(100, half_life_s=1e9)
+    r.register("m", 10 * MB)
+    assert r.written("m", 1.0, (5, 100, 7)) == 0  # the first look: a baseline, not a burst
+    assert r.written("m", 2.0, (6, 103, 7)) == 4
+    assert r.written("m", 3.0, (6, 0, 9)) == 2  # p1's topic missing from this read (an election)
+    assert r.written("m", 4.0, (6, 104, 9)) == 1  # back: one new record, not 104
+    assert r.value("m", 5.0) == pytest.approx(7)  # what arrived is the model's demand
 
 
 def test_records_in_kafka_do_not_make_a_resident_model_busy_here() -> None:
