@@ -29,6 +29,9 @@ class PrometheusSink(Observer):
     def dead_letter(self, model: str, field: str) -> None:
         self._child(metrics.DEAD_LETTERS, model, field).inc()
 
+    def malformed(self, reader: str, reason: str) -> None:
+        self._child(metrics.MALFORMED, reader, reason).inc()
+
     def shed(self, model: str, priority: Priority, reason: str) -> None:
         self._child(metrics.SHED, model, priority.label, reason).inc()
 

@@ -40,7 +40,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -52,6 +51,7 @@ from redis.exceptions import RedisError
 from kinfer.batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
 from kinfer.batcher.residency import Demand, Move, Residency, ResidencyPolicy, Tier
 from kinfer.consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
+from kinfer.consumers.intake import read_cancel, read_record
 from kinfer.consumers.observer import Observers
 from kinfer.consumers.offsets import OffsetTracker
 from kinfer.consumers.replies import Delivery, ReplySink
@@ -69,7 +69,6 @@ from kinfer.topics import (
     Result,
     Status,
     Unavailable,
-    decode_request,
     now_ms,
 )
 from kinfer.topics.admin import group_members, offset_clients, read_offsets_many
@@ -86,6 +85,10 @@ log = logging.getLogger(__name__)
 # How long past a request's deadline a worker keeps retrying to publish its reply. After that the
 # caller has already given up with DeadlineExceeded, which is its terminal state.
 PUBLISH_GRACE_MS = 5_000
+
+# How long a refused record's dead letter, and then its courtesy reply, may take before the record is
+# done without it: its partition's commits wait for it meanwhile.
+REJECT_TIMEOUT_S = 5.0
 
 # A model whose swap failed (weights that do not load, a join the broker refused) is not tried again
 # before this long: the worker goes on serving the others.
@@ -522,10 +525,13 @@ class Worker:
         """Producers that refused a request for a cold model say so here: a reason to swap it in."""
         hold_s = self.settings.swap_quantum_s + 2 * self.settings.residency_interval_s
         async for data in self._subscribed(redis, DEMAND_CHANNEL):
-            with contextlib.suppress(MalformedRecord):
+            try:
                 model = DemandNote.unpack(data).model
-                if model in self.feeds and self.feeds[model].tier != Tier.DEVICE:
-                    self._demanded[model] = time.monotonic() + hold_s
+            except MalformedRecord:
+                self.observer.malformed("demand", "undecodable")
+                continue
+            if model in self.feeds and self.feeds[model].tier != Tier.DEVICE:
+                self._demanded[model] = time.monotonic() + hold_s
 
     async def _subscribed(self, redis: aioredis.Redis, channel: str) -> AsyncIterator[bytes]:
         """Messages on ``channel`` until the worker has drained; through Redis outages (it resubscribes:
@@ -608,19 +614,12 @@ class Worker:
 
     def _intake(self, feed: _Feed, tp: TopicPartition, priority: Priority, record: ConsumerRecord[bytes, bytes],
                 now: float, wall: int) -> None:
-        """A fetched record becomes a job in its core, or a dead letter."""
+        """A fetched record becomes a job in its core, or a dead letter (``consumers.intake``: total)."""
         value = record.value
+        sink = self._sink
         try:
-            if value is None:
-                raise InvalidRequest("the record has no value (a tombstone)", "message")
-            request = decode_request(value, self.settings.limits)
-            if self._verifier is not None:  # raises Refused (an InvalidRequest): dead-lettered below
-                self._verifier.check(value, record.headers, request.tenant, request.priority, priority)
-            if request.model != feed.name:
-                raise InvalidRequest(f"model {request.model!r} sent to a topic of {feed.name!r}", "model")
-            route = request.reply
-            if route.redis is None and self._sink is not None and self._sink.topics.known_missing(route.name):
-                raise InvalidRequest(f"reply topic {route.name!r} does not exist", "reply")  # no compute for nobody
+            request = read_record(value, record.headers, feed.name, priority, limits=self.settings.limits,
+                                  verifier=self._verifier, topic_missing=sink.topics.known_missing if sink else None)
             queue_ms = max(0.0, wall - record.timestamp)
             job = Job(request, tp, record.offset, queue_ms, now, now + (request.deadline_ms - wall) / 1000.0)
             self.observer.fetched(feed.name, request.priority, queue_ms / 1000.0)
@@ -662,22 +661,32 @@ class Worker:
     async def _reject(
         self, feed: _Feed, tp: TopicPartition, offset: int, value: bytes | None, exc: InvalidRequest
     ) -> None:
-        """Dead-letter a record, tell its sender why when its id and route can be read, then let it commit."""
+        """Dead-letter a record, tell its sender why when its id and route can be read, then let it commit.
+
+        Bounded and total: the dead letter and the courtesy reply each get ``REJECT_TIMEOUT_S``, and
+        whatever goes wrong with them, the record is done — a record that could not even be refused
+        must not hold its partition, nor end the worker."""
         assert self._sink is not None
         source = f"{tp.topic}/{tp.partition}@{offset}"
         log.warning("dead-lettering %s: %s", source, exc)
         try:
-            await self._sink.dead_letter(value, str(exc), exc.field, source)
-        except Unavailable as error:
-            log.error("%s", error)  # the record is dropped, not retried forever: it would pin its partition
+            await asyncio.wait_for(self._sink.dead_letter(value, str(exc), exc.field, source), REJECT_TIMEOUT_S)
+        except (Unavailable, TimeoutError) as error:  # dropped, not retried forever: it would pin its partition
+            log.error("dead letter of %s not sent: %s", source, error or "timed out")
+        except Exception:
+            log.exception("dead letter of %s not sent", source)
         self.observer.dead_letter(feed.name, exc.field or "")
         salvaged = salvage_route(value, self.settings.limits) if value is not None else None
         if salvaged is not None:
             rid, route, key = salvaged
             result = Result(rid, feed.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id,
                             field=exc.field)
-            with contextlib.suppress(Unavailable):  # the DLQ has it; the reply is a courtesy
-                await asyncio.wait_for(self._sink.publish([Delivery(route, result, key=key)]), 5.0)
+            try:  # the DLQ has it; the reply is a courtesy
+                await asyncio.wait_for(self._sink.publish([Delivery(route, result, key=key)]), REJECT_TIMEOUT_S)
+            except (Unavailable, TimeoutError):
+                pass
+            except Exception:
+                log.exception("the refusal of %s could not be sent", source)
         feed.tracker.done(tp, offset)
         self._commit_wake.set()
         self._settled.set()
@@ -803,15 +812,13 @@ class Worker:
     async def _cancel_loop(self, redis: aioredis.Redis) -> None:
         """Streams whose client went away: free their slot at the next step (best effort)."""
         async for data in self._subscribed(redis, CANCEL_CHANNEL):
-            try:
-                note = msgpack.unpackb(data, raw=False, max_str_len=256, max_bin_len=64, max_map_len=4)
-                feed = self.feeds.get(note["model"])
-                rid, mac = note["id"], note.get("mac")
-            except (ValueError, KeyError, TypeError, AttributeError, msgpack.ExtraData, msgpack.FormatError):
+            note = read_cancel(data)
+            if note is None:
+                self.observer.malformed("cancel", "undecodable")
                 continue
-            if not isinstance(mac, bytes):
-                mac = None
-            if feed is not None and isinstance(rid, str) and feed.core.cancel(rid, mac):
+            model, rid, mac = note
+            feed = self.feeds.get(model)
+            if feed is not None and feed.core.cancel(rid, mac):
                 self._wake.set()
 
     async def _commit_loop(self) -> None:

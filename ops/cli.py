@@ -210,7 +210,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_tenant_key(args: argparse.Namespace) -> int:
     from kinfer.topics.auth import TenantCredential, signing_secrets
-    from kinfer.topics.envelope import TENANT_PATTERN
+    from kinfer.topics.names import TENANT_PATTERN
 
     secrets = signing_secrets()
     if not secrets:

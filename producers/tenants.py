@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kinfer.topics import Priority
-from kinfer.topics.envelope import TENANT_PATTERN
+from kinfer.topics.names import TENANT_PATTERN
 from kinfer.topics.validation import problems
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")

@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+import msgspec
 
 from kinfer.topics.errors import InvalidRequest
-from kinfer.topics.names import Priority
+from kinfer.topics.names import TENANT_PATTERN, Priority
 
 SIG_HEADER = "kinfer-sig"
 KID_HEADER = "kinfer-kid"
 REPLY_KEY_BYTES = 16  # what a client draws; requests may carry 16..64 bytes
-Headers = Sequence[tuple[str, bytes]]
+Headers = Sequence[tuple[str, bytes | None]]  # a Kafka header's value may be null
 
 
 def _mac(key: bytes, data: bytes) -> bytes:
@@ -162,19 +164,40 @@ class TenantRule:
     key_version: int = 1
 
 
+class _TenantEntry(msgspec.Struct, frozen=True):
+    """What a worker reads of one entry of the tenants file (the gateway reads more of it)."""
+
+    name: Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]
+    max_priority: Annotated[int, msgspec.Meta(ge=0, le=2)] | Annotated[str, msgspec.Meta(pattern=r"^[pP][0-2]$")] = 0
+    key_version: Annotated[int, msgspec.Meta(ge=1, lt=2**31)] = 1
+
+
+class _TenantsFile(msgspec.Struct, frozen=True):
+    tenants: list[_TenantEntry]
+
+
+MAX_TENANTS_FILE_BYTES = 16 * 1_048_576
+
+
 def load_tenant_rules(path: str) -> dict[str, TenantRule]:
     """The rules a worker enforces, from the tenants file the gateway reads (the same JSON:
     ``{"tenants": [{"name": ..., "max_priority": 1, "key_version": 1, ...}]}``; other keys ignored).
-    Raises ``ValueError`` naming the file and what is wrong with it."""
+    As strict as the gateway's reading of the same file: integers are integers (no floats or
+    booleans), names are tenant names and each appears once. Raises ``ValueError`` naming the file
+    and what is wrong with it."""
     try:
-        entries = json.loads(Path(path).read_text())["tenants"]
-        rules = {}
-        for entry in entries:
-            best = Priority.parse(entry.get("max_priority", 0))
-            rules[str(entry["name"])] = TenantRule(int(best), int(entry.get("key_version", 1)))
-        return rules
-    except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        data = Path(path).read_bytes()
+        if len(data) > MAX_TENANTS_FILE_BYTES:
+            raise ValueError(f"{len(data)} bytes, over the limit of {MAX_TENANTS_FILE_BYTES}")
+        entries = msgspec.json.decode(data, type=_TenantsFile).tenants
+    except (OSError, ValueError, RecursionError, msgspec.MsgspecError) as exc:
         raise ValueError(f"{path}: not a tenants file ({type(exc).__name__}: {exc})") from exc
+    rules: dict[str, TenantRule] = {}
+    for entry in entries:
+        if entry.name in rules:
+            raise ValueError(f"{path}: not a tenants file (tenant {entry.name!r} is listed twice)")
+        rules[entry.name] = TenantRule(int(Priority.parse(entry.max_priority)), entry.key_version)
+    return rules
 
 
 class Refused(InvalidRequest):
@@ -203,9 +226,9 @@ class Verifier:
         """Raises ``Refused`` unless the record is signed by ``tenant`` and within its rules."""
         kid = sig = None
         for name, data in headers:
-            if name == SIG_HEADER:
+            if name == SIG_HEADER and isinstance(data, bytes):
                 sig = data
-            elif name == KID_HEADER:
+            elif name == KID_HEADER and isinstance(data, bytes):
                 kid = data
         if sig is None or kid is None:
             raise Refused("unsigned request: this deployment needs the kinfer-kid and kinfer-sig headers", "signature")

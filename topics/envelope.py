@@ -10,6 +10,7 @@ pairs to drift apart. Wire data becomes these objects once, here, and nowhere el
 from __future__ import annotations
 
 import enum
+import math
 import os
 import re
 import time
@@ -22,16 +23,24 @@ import msgspec
 
 from kinfer.topics.auth import reply_authentic, reply_mac
 from kinfer.topics.errors import DeadlineExceeded, InvalidRequest, KinferError, MalformedRecord, ModelError, Shed
-from kinfer.topics.names import MODEL_PATTERN, ROUTE_PATTERN, Priority
+from kinfer.topics.names import (
+    KAFKA_ROUTE_PATTERN,
+    MODEL_PATTERN,
+    REDIS_ROUTE_PATTERN,
+    TENANT_PATTERN,
+    Priority,
+)
 
 ENVELOPE_VERSION: Final = 1
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 
 RequestId = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
 ModelName = Annotated[str, msgspec.Meta(pattern=MODEL_PATTERN)]
-RouteName = Annotated[str, msgspec.Meta(pattern=ROUTE_PATTERN)]
+RedisRoute = Annotated[str, msgspec.Meta(pattern=REDIS_ROUTE_PATTERN)]  # kinfer:reply:...
+KafkaRoute = Annotated[str, msgspec.Meta(pattern=KAFKA_ROUTE_PATTERN)]  # replies....
+# Wall-clock milliseconds since the epoch: positive, and exact in a float64 (any JSON reader's number).
+EpochMs = Annotated[int, msgspec.Meta(gt=0, lt=2**53)]
 Version = Literal[1]  # a reader of version 1 refuses any other (a missing ``v`` reads as 1)
 Scalar = str | int | float | bool | None
 ReplyKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
@@ -48,10 +57,15 @@ class Limits:
     max_inputs: int = 256  # texts in one request
     max_text_chars: int = 16_384  # characters in one text
     max_params: int = 32  # keys in ``params``
-    max_param_chars: int = 1_024  # length of one string-valued parameter
+    max_param_chars: int = 1_024  # length of one string-valued parameter, and of a parameter's name
+    # The longest a request may ask to be worked on: ``deadline_ms - created_ms``. A record whose
+    # deadline is far away would stay a live request (redelivered, retried, holding its partition's
+    # commits) for as long; an hour covers any interactive call, a long generation included.
+    max_deadline_span_ms: int = 3_600_000
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_inputs", "max_text_chars", "max_params", "max_param_chars"):
+        for name in ("max_message_bytes", "max_inputs", "max_text_chars", "max_params", "max_param_chars",
+                     "max_deadline_span_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)}")
 
@@ -77,8 +91,10 @@ class RouteKind(enum.StrEnum):
 class ReplyRoute(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Where the worker publishes the result: a Redis channel (with a Kafka fallback topic), or a topic."""
 
-    redis: RouteName | None = None  # Redis pub/sub channel; when set, ``kafka`` is its fallback
-    kafka: RouteName | None = None  # Kafka reply topic
+    # Each is held to its documented prefix, so a request can never make a worker publish anywhere
+    # else (a health or demand channel, a request, stats or dead-letter topic, a changelog).
+    redis: RedisRoute | None = None  # Redis pub/sub channel ``kinfer:reply:...``; ``kafka`` is its fallback
+    kafka: KafkaRoute | None = None  # Kafka reply topic ``replies....``
 
     def __post_init__(self) -> None:
         if self.redis is None and self.kafka is None:
@@ -121,8 +137,8 @@ class Request(msgspec.Struct, frozen=True, tag="req", tag_field="t"):
     model: ModelName  # served model name
     priority: Priority  # p0 interactive .. p2 batch
     tenant: Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]  # who asked; quotas and metrics are per tenant
-    created_ms: Annotated[int, msgspec.Meta(gt=0)]  # wall-clock ms when the client created it
-    deadline_ms: int  # wall-clock ms after which a result is useless
+    created_ms: EpochMs  # wall-clock ms when the client created it
+    deadline_ms: EpochMs  # wall-clock ms after which a result is useless
     inputs: tuple[str, ...]  # texts to run; each yields one output (empty for a chat)
     reply: ReplyRoute  # where the result goes
     params: dict[str, Scalar] = {}  # model-specific knobs (scalars only)
@@ -289,7 +305,12 @@ def _field_of(exc: msgspec.MsgspecError) -> str:
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[M], data: bytes, max_bytes: int) -> M:
-    """Decode with the record's own validation; ``InvalidRequest`` names the offending field."""
+    """Decode with the record's own validation; ``InvalidRequest`` names the offending field.
+
+    Total: whatever the bytes, a value or ``InvalidRequest``. The size is checked before anything is
+    read; msgspec skips unknown keys without building them, but it recurses to do so, and nesting
+    past the interpreter's recursion limit (~1,000 levels) raises ``RecursionError``: a refusal here.
+    """
     if len(data) > max_bytes:
         raise InvalidRequest(f"message is {len(data)} bytes, over the limit of {max_bytes}", "message")
     try:
@@ -300,6 +321,8 @@ def _decode(decoder: msgspec.msgpack.Decoder[M], data: bytes, max_bytes: int) ->
         raise InvalidRequest(text, field) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"not a valid msgpack envelope: {exc}", "message") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("not a valid msgpack envelope: nested too deeply", "message") from exc
 
 
 _requests = msgspec.msgpack.Decoder(Request)
@@ -314,6 +337,10 @@ def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
     request = _decode(_requests, data, limits.max_message_bytes)
     if request.deadline_ms <= request.created_ms:
         raise InvalidRequest("need 0 < created_ms < deadline_ms", "deadline_ms")
+    if (span := request.deadline_ms - request.created_ms) > limits.max_deadline_span_ms:
+        raise InvalidRequest(
+            f"deadline_ms is {span} ms after created_ms, over the limit of {limits.max_deadline_span_ms}", "deadline_ms"
+        )
     if request.messages:
         if request.inputs:
             raise InvalidRequest("a chat carries its turns in messages, and no inputs", "inputs")
@@ -330,8 +357,12 @@ def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
         if len(params) > limits.max_params:
             raise InvalidRequest(f"params must be a map of at most {limits.max_params} entries", "params")
         for key, value in params.items():
+            if len(key) > limits.max_param_chars:
+                raise InvalidRequest(f"a params name is longer than {limits.max_param_chars}", "params")
             if isinstance(value, str) and len(value) > limits.max_param_chars:
                 raise InvalidRequest(f"params[{key!r}] is longer than {limits.max_param_chars}", "params")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidRequest(f"params[{key!r}] must be a finite number, got {value}", "params")
     return request
 
 
@@ -367,7 +398,7 @@ def salvage_route(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, Re
         return None
     try:
         found = _salvage.decode(data)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         return None
     return found.id, found.reply, found.reply_key
 

@@ -24,9 +24,12 @@ CANCEL_CHANNEL = "kinfer:cancel"  # Redis pub/sub: {"id", "model"} of streams wh
 # Model names end up inside topic names, so they use a conservative subset of Kafka's alphabet
 # (no '.', which separates the parts of a topic name).
 MODEL_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
-ROUTE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # who is asking: quotas, metrics and keys are per tenant
+# Where a request may ask a worker to publish its reply: under the documented prefixes only, in at
+# most 128 characters (a Kafka topic name has no ':').
+REDIS_ROUTE_PATTERN = r"^kinfer:reply:[A-Za-z0-9_.:-]{1,115}$"
+KAFKA_ROUTE_PATTERN = r"^replies\.[A-Za-z0-9_.-]{1,120}$"
 _MODEL_RE = re.compile(MODEL_PATTERN)
-_ROUTE_RE = re.compile(ROUTE_PATTERN)
 
 
 class Priority(enum.IntEnum):
@@ -98,11 +101,6 @@ def redis_reply_channel(tenant: str, client_id: str) -> str:
     """``kinfer:reply:<tenant>:<client-id>``: a tenant's channels share a prefix, so a Redis ACL can
     let each tenant subscribe to its own channels and no one else's."""
     return f"{REDIS_REPLY_PREFIX}{tenant}:{client_id}"
-
-
-def valid_route_name(name: str) -> bool:
-    """A reply channel or topic name a worker is willing to publish to."""
-    return bool(_ROUTE_RE.match(name))
 
 
 def consumer_group(model: str) -> str:

@@ -1,0 +1,81 @@
+"""A fetched record → a request this worker may serve, or the reason it may not. Pure and total.
+
+The one boundary where records from any producer enter a worker. Whatever the bytes and headers,
+``read_record`` returns a ``Request`` or raises ``InvalidRequest`` (with the field at fault): the
+worker dead-letters the record, tells the sender why when it can, commits it and goes on. No other
+exception may leave it — one that did would stop the fetch loop, and the record, never committed,
+would stop the next worker too. A defect here is therefore also a refusal (field ``message``), logged
+with its traceback, never a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Annotated
+
+import msgspec
+
+from kinfer.topics import DEFAULT_LIMITS, InvalidRequest, Limits, Request, decode_request
+from kinfer.topics.auth import Verifier
+from kinfer.topics.envelope import ModelName, RequestId
+from kinfer.topics.names import Priority
+
+log = logging.getLogger(__name__)
+
+Headers = Sequence[tuple[str, bytes | None]]
+
+
+def read_record(
+    value: bytes | None,
+    headers: Headers,
+    model: str,
+    priority: Priority,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    verifier: Verifier | None = None,
+    topic_missing: Callable[[str], bool] | None = None,
+) -> Request:
+    """The request in a record of ``infer.<model>.<priority>``, checked against everything this worker
+    enforces: the envelope and its limits, the tenant's signature and rules, the topic's model, and a
+    reply topic known to be missing (no compute for a result nobody can receive)."""
+    try:
+        if value is None:
+            raise InvalidRequest("the record has no value (a tombstone)", "message")
+        request = decode_request(value, limits)
+        if verifier is not None:  # raises Refused (an InvalidRequest)
+            verifier.check(value, headers, request.tenant, request.priority, priority)
+        if request.model != model:
+            raise InvalidRequest(f"model {request.model!r} sent to a topic of {model!r}", "model")
+        route = request.reply
+        if route.redis is None and topic_missing is not None and topic_missing(route.name):
+            raise InvalidRequest(f"reply topic {route.name!r} does not exist", "reply")
+        return request
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # a defect of ours: still this record's refusal, never the worker's end
+        log.exception("reading a record of %s failed unexpectedly", model)
+        raise InvalidRequest(f"unreadable record ({type(exc).__name__})", "message") from exc
+
+
+class _Cancel(msgspec.Struct, frozen=True):
+    """A note on ``kinfer:cancel``: stop stream ``id`` of ``model`` (``mac`` proves its sender)."""
+
+    id: RequestId
+    model: ModelName
+    mac: Annotated[bytes, msgspec.Meta(max_length=64)] | None = None
+
+
+_cancels = msgspec.msgpack.Decoder(_Cancel)
+MAX_CANCEL_BYTES = 512  # a note is three short fields; anything longer is refused unread
+
+
+def read_cancel(data: bytes) -> tuple[str, str, bytes | None] | None:
+    """(model, request id, mac) of a cancel note, or None for anything that is not one. Never raises."""
+    if len(data) > MAX_CANCEL_BYTES:
+        return None
+    try:
+        note = _cancels.decode(data)
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    return note.model, note.id, note.mac
