@@ -42,6 +42,14 @@ class OffsetTracker(Generic[TP]):
                 out[tp] = position
         return out
 
+    def positions(self, assigned: Iterable[TP]) -> dict[TP, int]:
+        """The safe position of every partition of ``assigned`` seen here, moved since the last commit or not."""
+        out: dict[TP, int] = {}
+        for tp in set(assigned) & set(self._next):
+            opened = self._open.get(tp)
+            out[tp] = min(opened) if opened else self._next[tp]
+        return out
+
     def mark_committed(self, positions: dict[TP, int]) -> None:
         for tp, position in positions.items():
             self._committed[tp] = max(self._committed.get(tp, -1), position)

@@ -54,6 +54,7 @@ from kinfer.consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, bui
 from kinfer.consumers.intake import read_cancel, read_record
 from kinfer.consumers.observer import Observers
 from kinfer.consumers.offsets import OffsetTracker
+from kinfer.consumers.poison import CAREFUL_RECORDS, DeliveryGuard, Mark, Verdict, mark_text
 from kinfer.consumers.replies import Delivery, ReplySink
 from kinfer.consumers.runners import ModelSpec, Runner, build_runner
 from kinfer.consumers.runners.base import bring_in, default_executors, pick_device, set_threads
@@ -135,6 +136,10 @@ class WorkerSettings:
     metrics_port: int | None = None  # serve Prometheus metrics here
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container, for a scraper outside it
     drain_timeout_s: float = 30.0  # on SIGTERM, finish buffered work for at most this long
+    # After an owner of a partition stopped without handing it over, its next owner works this many
+    # records one at a time, so that a record that stops workers is pinned down and dead-lettered
+    # (``consumers.poison``). 0: off.
+    careful_records: int = CAREFUL_RECORDS
     # The tenant registry (the gateway's tenants file): with it, a request's tenant must be listed and
     # may not ask for better than its ceiling. Requests must be signed whenever the process has
     # signing secrets (KINFER_SIGNING_SECRET); a registry without them is refused at start.
@@ -202,6 +207,7 @@ class _Feed:
     consumer: AIOKafkaConsumer | None = None  # set while the worker is a member of the model's group
     parked: AIOKafkaConsumer | None = None  # started, out of the group: kept for the next swap-in
     tracker: OffsetTracker[TopicPartition] = field(default_factory=OffsetTracker)
+    guard: DeliveryGuard[TopicPartition] = field(default_factory=DeliveryGuard)  # records that stop workers
     held: set[Priority] = field(default_factory=set)  # priorities whose partitions are paused
     priority_of: dict[TopicPartition, Priority] = field(default_factory=dict)
     tier: Tier = Tier.DISK  # where its weights are; only a DEVICE model is in its group
@@ -240,7 +246,7 @@ class Worker:
             runner = (runners or {}).get(spec.name) or build_runner(spec, settings.device)
             core = build_core(spec, runner, policy=settings.policy, gen_policy=settings.gen_policy,
                               worker_id=settings.worker_id, observer=self.observer)
-            self.feeds[spec.name] = _Feed(core)
+            self.feeds[spec.name] = _Feed(core, guard=DeliveryGuard(settings.careful_records))
         self._fair: DeficitRoundRobin[str] = DeficitRoundRobin(settings.fair_quantum_ms / 1000.0)
         self._max_batch_s = settings.fair_quantum_ms / 1000.0 if len(self.feeds) > 1 else None
         for name in self.feeds:
@@ -260,6 +266,7 @@ class Worker:
         self._tg: asyncio.TaskGroup | None = None
         self._verifier = verifier_from_env(settings.tenants)
         self._sink: ReplySink | None = None
+        self._admin: AIOKafkaAdminClient | None = None  # reads the marks of partitions it is assigned
         self.residency: Residency | None = None
         if settings.memory_budget is not None:
             self.residency = Residency(ResidencyPolicy(
@@ -314,8 +321,10 @@ class Worker:
 
         producer = AIOKafkaProducer(**kafka_options(s.bootstrap), acks="all", enable_idempotence=True, linger_ms=1)
         redis = aioredis.Redis.from_url(s.redis_url)
+        self._admin = AIOKafkaAdminClient(**kafka_options(s.bootstrap))
         try:
             await producer.start()
+            await self._admin.start()
             self._sink = ReplySink(producer, redis)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -335,6 +344,7 @@ class Worker:
             for feed in self.feeds.values():
                 await self._stop_consumer(feed)
             await producer.stop()
+            await self._admin.close()
             await redis.aclose()
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._loader.shutdown(wait=False, cancel_futures=True)
@@ -386,7 +396,7 @@ class Worker:
             self._settled.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), 1.0)
-        await self._commit(feed)
+        await self._commit(feed, handing=True)
         consumer, feed.consumer = feed.consumer, None
         if consumer is not None and not self._stopping.is_set():
             _leave_on_stop(consumer)  # a static member would not send LeaveGroup
@@ -395,6 +405,7 @@ class Worker:
         elif consumer is not None:
             feed.consumer = consumer  # stopping: the shutdown stops it
         feed.tracker = OffsetTracker()
+        feed.guard.clear()
         feed.held, feed.draining, feed.leaving, feed.fetching = set(), False, False, None
 
     async def _stop_consumer(self, feed: _Feed) -> None:
@@ -601,7 +612,21 @@ class Worker:
             for tp, records in data.items():
                 priority = feed.priority(tp)
                 for record in records:
+                    verdict = feed.guard.verdict(tp, record.offset)
+                    if verdict is Verdict.DEFER:  # careful: one record at a time, the rest fetched again
+                        consumer.seek(tp, record.offset)
+                        break
                     feed.tracker.track(tp, record.offset)
+                    if verdict is Verdict.MARK:  # careful: it runs once its in-flight mark is committed
+                        self._spawn_tracked(self._marked_intake(feed, tp, priority, record))
+                        continue
+                    if verdict is Verdict.POISON:
+                        crashes = feed.guard.crashes(tp)
+                        log.error("%s: %s@%d stopped %d workers while in flight: dead-lettered, not run again",
+                                  feed.name, tp.topic, record.offset, crashes)
+                        refusal = InvalidRequest(f"the record stopped {crashes} workers while in flight", "message")
+                        self._spawn_tracked(self._reject(feed, tp, record.offset, record.value, refusal))
+                        continue
                     self._intake(feed, tp, priority, record, now, wall)
             self.observer.buffered(feed.name, feed.core.buffered())
             self._wake.set()
@@ -628,6 +653,20 @@ class Worker:
         except InvalidRequest as exc:
             self._spawn_tracked(self._reject(feed, tp, record.offset, value, exc))
 
+    async def _marked_intake(self, feed: _Feed, tp: TopicPartition, priority: Priority,
+                             record: ConsumerRecord[bytes, bytes]) -> None:
+        """A careful partition's record: its offset committed with the IN_FLIGHT mark, then taken in. Should
+        it stop this worker, the next owner finds the mark on it and dead-letters it unread."""
+        consumer = feed.consumer
+        if consumer is not None:
+            try:
+                mark = OffsetAndMetadata(record.offset, feed.guard.in_flight_mark(tp))
+                await asyncio.wait_for(consumer.commit({tp: mark}), REJECT_TIMEOUT_S)
+            except (CommitFailedError, KafkaError, TimeoutError) as exc:
+                log.warning("%s: in-flight mark of %s@%d failed: %s", feed.name, tp.topic, record.offset, exc)
+        self._intake(feed, tp, priority, record, time.monotonic(), now_ms())
+        self._wake.set()
+
     def _flow_control(self, feed: _Feed, consumer: AIOKafkaConsumer) -> None:
         """Kafka is the queue: the in-process buffer is bounded, with room kept for urgent work.
 
@@ -645,10 +684,11 @@ class Worker:
                 held.add(prio)
             elif buffered <= share * cap - cap / 8:
                 held.discard(prio)
-        if held == feed.held and not held:
+        guarded = feed.guard.held()  # marks not read yet, or a careful partition's record in flight
+        if held == feed.held and not held and not guarded and not consumer.paused():
             return
-        feed.held = held
-        want = {tp for tp in consumer.assignment() if feed.priority(tp) in held}
+        changed, feed.held = held != feed.held, held
+        want = {tp for tp in consumer.assignment() if feed.priority(tp) in held or tp in guarded}
         paused = consumer.paused()
         if want == paused:
             return
@@ -656,7 +696,8 @@ class Worker:
             consumer.pause(*(want - paused))
         if paused - want:
             consumer.resume(*(paused - want))
-        self.observer.paused(feed.name, held)
+        if changed:
+            self.observer.paused(feed.name, held)
 
     async def _reject(
         self, feed: _Feed, tp: TopicPartition, offset: int, value: bytes | None, exc: InvalidRequest
@@ -828,29 +869,70 @@ class Worker:
         while True:
             await self._commit_wake.wait()
             wait_s = last + interval_s - time.monotonic()
-            if wait_s > 0 and not self._drained.is_set():
+            careful = any(feed.guard.awaiting_commit() for feed in self.feeds.values())  # its next record waits
+            if wait_s > 0 and not self._drained.is_set() and not careful:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._drained.wait(), wait_s)
             self._commit_wake.clear()
             for feed in self.feeds.values():
-                await self._commit(feed)
+                await self._commit(feed, handing=self._drained.is_set())
             last = time.monotonic()
             if self._drained.is_set():
                 return
 
-    async def _commit(self, feed: _Feed) -> None:
+    async def _commit(self, feed: _Feed, handing: bool = False) -> None:
+        """Commit what is done. ``handing``: this worker gives the partitions up (revoked, leaving,
+        stopping), so every position is committed with the mark that says so, moved or not."""
         consumer = feed.consumer
         if consumer is None:
             return
-        positions = feed.tracker.committable(consumer.assignment())
+        assigned = consumer.assignment()
+        positions = ({**feed.guard.taken(assigned), **feed.tracker.positions(assigned)} if handing
+                     else feed.tracker.committable(assigned))
         if not positions:
             return
+        handed = mark_text(Mark.HANDED)
         try:
-            await consumer.commit({tp: OffsetAndMetadata(pos, "") for tp, pos in positions.items()})
+            await consumer.commit({tp: OffsetAndMetadata(pos, handed if handing else feed.guard.metadata(tp))
+                                   for tp, pos in positions.items()})
             feed.tracker.mark_committed(positions)
+            for tp, pos in positions.items():
+                feed.guard.committed(tp, pos)
         except (CommitFailedError, KafkaError) as exc:
             # A rebalance took the partitions away; their new owner re-answers from the last commit.
             log.warning("%s: commit of %s failed: %s", feed.name, positions, exc)
+
+    async def on_assigned(self, feed: _Feed, assigned: set[TopicPartition]) -> None:
+        """Take the partitions: read the mark their last owner left (``consumers.poison``), fetching nothing
+        meanwhile, and leave ours."""
+        consumer = feed.consumer
+        feed.guard.assigning(assigned)
+        if consumer is None or not assigned:
+            feed.guard.assigned({})
+            return
+        consumer.pause(*assigned)  # until the marks are read; flow control resumes them
+        marks: dict[TopicPartition, tuple[int, str | None]] = {tp: (-1, None) for tp in assigned}
+        try:
+            assert self._admin is not None
+            found = await asyncio.wait_for(self._admin.list_consumer_group_offsets(
+                consumer_group(feed.name), partitions=list(assigned)), REJECT_TIMEOUT_S)
+            marks.update({tp: (meta.offset, meta.metadata) for tp, meta in found.items() if tp in assigned})
+            if fresh := [tp for tp, (position, _) in marks.items() if position < 0]:  # never committed: the
+                starts = await asyncio.wait_for(consumer.beginning_offsets(fresh), REJECT_TIMEOUT_S)  # log's start
+                marks.update({tp: (starts[tp], None) for tp in fresh if tp in starts})
+        except (KafkaError, TimeoutError, OSError) as exc:
+            log.warning("%s: reading the partitions' marks failed, taking them unmarked: %s", feed.name, exc)
+        taken = feed.guard.assigned(marks)
+        careful = [tp for tp in assigned if feed.guard.careful(tp)]
+        if careful:
+            log.warning("%s: %d partitions' last owner stopped without handing them over: working their next "
+                        "%d records one at a time", feed.name, len(careful), self.settings.careful_records)
+        if taken:
+            try:
+                await consumer.commit({tp: OffsetAndMetadata(pos, meta) for tp, (pos, meta) in taken.items()})
+            except (CommitFailedError, KafkaError) as exc:
+                log.warning("%s: marking the partitions taken failed: %s", feed.name, exc)
+        self._wake.set()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         assert self._tg is not None
@@ -859,9 +941,10 @@ class Worker:
     # -- rebalance ---------------------------------------------------------------------------
 
     async def on_revoked(self, feed: _Feed, revoked: set[TopicPartition]) -> None:
-        await self._commit(feed)
+        await self._commit(feed, handing=True)
         gone = feed.core.revoke(revoked)
         feed.tracker.forget(revoked)
+        feed.guard.forget(revoked)
         if gone:
             log.info("%s: revoked %d partitions; %d requests left for the new owner", feed.name, len(revoked), gone)
 
@@ -876,6 +959,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("%s: assigned %d partitions", self._feed.name, len(assigned))
+        await self._worker.on_assigned(self._feed, assigned)
         self._feed.assigned.set()
 
 
