@@ -32,6 +32,9 @@ class PrometheusSink(Observer):
     def malformed(self, reader: str, reason: str) -> None:
         self._child(metrics.MALFORMED, reader, reason).inc()
 
+    def reader(self, name: str, up: bool) -> None:
+        self._child(metrics.READER_UP, name).set(1 if up else 0)
+
     def shed(self, model: str, priority: Priority, reason: str) -> None:
         self._child(metrics.SHED, model, priority.label, reason).inc()
 

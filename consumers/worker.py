@@ -334,12 +334,12 @@ class Worker:
                 tg.create_task(self._dispatch_loop())
                 tg.create_task(self._commit_loop())
                 tg.create_task(self.stats.run(producer, self._drained))
-                tg.create_task(self._report_loop(redis))
+                tg.create_task(self._supervised("report", functools.partial(self._report_loop, redis)))
                 if any(feed.core.cancellable for feed in self.feeds.values()):
-                    tg.create_task(self._cancel_loop(redis))
+                    tg.create_task(self._supervised("cancel", functools.partial(self._cancel_loop, redis)))
                 if self.residency is not None:
                     tg.create_task(self._residency_loop())
-                    tg.create_task(self._demand_loop(redis))
+                    tg.create_task(self._supervised("demand", functools.partial(self._demand_loop, redis)))
         finally:
             for feed in self.feeds.values():
                 await self._stop_consumer(feed)
@@ -543,6 +543,22 @@ class Worker:
                 continue
             if model in self.feeds and self.feeds[model].tier != Tier.DEVICE:
                 self._demanded[model] = time.monotonic() + hold_s
+
+    async def _supervised(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """A side reader (reports, cancels, demand notes) that fails for an unforeseen reason restarts with
+        backoff instead of ending the worker; its ``kinfer_worker_reader_up`` gauge says 0 meanwhile."""
+        backoff = Backoff()
+        while not self._drained.is_set():
+            self.observer.reader(name, True)
+            try:
+                await loop()
+                return
+            except Exception:
+                self.observer.reader(name, False)
+                delay = backoff.next_delay()
+                log.exception("%s reader failed; restarting in %.1f s", name, delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drained.wait(), delay)
 
     async def _subscribed(self, redis: aioredis.Redis, channel: str) -> AsyncIterator[bytes]:
         """Messages on ``channel`` until the worker has drained; through Redis outages (it resubscribes:

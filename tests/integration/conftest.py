@@ -47,6 +47,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
         local.down()
 
 
+@pytest.fixture(scope="session")
+def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    """``kinfer stack up --secure``: SASL_SSL and ACLs on the broker, ACL users on Redis (its own home and
+    ports), shared by the tests that need one; the session's insecure stack is not involved."""
+    if os.environ.get("KINFER_BOOTSTRAP") and os.environ.get("KINFER_REDIS_URL"):
+        pytest.skip("an external stack was given: no local secure stack is started")
+    local = LocalStack(tmp_path_factory.mktemp("secure-stack"), secure=True)
+    info, _ = local.up()
+    try:
+        yield info
+    finally:
+        local.down()
+
+
 @pytest.fixture
 def model_name() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
