@@ -6,8 +6,13 @@ replica serves at the SLA (``replica_rps``, from ``kinfer bench``) and the traff
 busy. The rule:
 
 1. **Dedicated pool** for a hot model: one whose share, over the target utilisation, is at least
-   ``dedicated_threshold`` GPUs (0.5 by default). Replicas = ``ceil(expected_rps / (replica_rps ×
-   target_utilisation))``, at least its keep-warm count, plus ``spare_replicas``; one GPU each.
+   ``dedicated_threshold`` GPUs (0.5 by default). Precisely (:meth:`Fleet.dedicates`): ``gpu_share >=
+   dedicated_threshold × (1 - EPS)``, so a share that reaches the threshold in the decimal numbers as
+   written but falls a rounding step short in floats (3 of 10 requests/s at 75 % is 0.4 GPU, computed
+   0.39999999999999997) is hot, and a model short of it by more than a billionth of the threshold is
+   not; the slack is relative, so no threshold, however small, makes an idle model hot. Replicas =
+   ``ceil(expected_rps / (replica_rps × target_utilisation))``, at least its keep-warm count, plus
+   ``spare_replicas``; one GPU each.
 2. **Co-location** for the long tail: first-fit decreasing onto as few GPUs as possible, a GPU
    holding models while the sum of their compute shares stays within the target utilisation and
    the sum of their footprints within the GPU's memory less ``memory_headroom``. Each model's
@@ -36,7 +41,7 @@ from typing import Any, Literal
 from kinfer.topics.names import MODEL_PATTERN
 from kinfer.topics.validation import problems
 
-EPS = 1e-9  # float slack in every comparison of sums
+EPS = 1e-9  # float slack in every comparison: of sums (absolute), of a share with the threshold (relative)
 MIN_WEIGHT = 0.01  # a model with no traffic yet still gets turns: the worker refuses a weight of 0
 
 
@@ -94,6 +99,11 @@ class Fleet:
     def gpu_share(self, model: ModelLoad) -> float:
         """GPUs the model's traffic needs at the target utilisation."""
         return model.compute / self.target_utilisation
+
+    def dedicates(self, model: ModelLoad) -> bool:
+        """Whether the model gets a pool of its own: its GPU share is at least the threshold, less float
+        rounding (a relative EPS: the threshold is any positive number, and an idle model is never hot)."""
+        return self.gpu_share(model) >= self.dedicated_threshold * (1 - EPS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +375,7 @@ def place(models: Sequence[ModelLoad], fleet: Fleet) -> Placement:
                 "it needs a larger GPU (--gpu-memory), a smaller footprint (quantisation, a shorter KV cache) "
                 "or tensor parallelism across GPUs, which this planner does not do")
 
-    hot = sorted((m for m in models if fleet.gpu_share(m) >= fleet.dedicated_threshold - EPS),
+    hot = sorted((m for m in models if fleet.dedicates(m)),
                  key=lambda m: (-fleet.gpu_share(m), m.name))
     tail = [m for m in models if m not in hot]
     dedicated = [_dedicated(m, fleet) for m in hot]

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kinfer.ops.cli import build_parser, main
+from kinfer.ops.place import EPS as PLACE_EPS
 from kinfer.ops.place import (
     MIN_WEIGHT,
     Fleet,
@@ -49,6 +50,11 @@ def worker_args(command: tuple[str, ...]) -> Any:
 
 def model(name: str, footprint: float, replica_rps: float, expected_rps: float, **kw: Any) -> ModelLoad:
     return ModelLoad(name, footprint, replica_rps, expected_rps, **kw)
+
+
+def hot(m: ModelLoad, fleet: Fleet) -> bool:
+    """The documented rule: a GPU share at least the threshold, less a relative float slack."""
+    return fleet.gpu_share(m) >= fleet.dedicated_threshold * (1 - PLACE_EPS)
 
 
 # --- properties ---------------------------------------------------------------------------------------
@@ -108,14 +114,14 @@ def check_invariants(models: list[ModelLoad], fleet: Fleet, p: Placement) -> Non
         assert 0 <= pool.utilisation <= util + EPS
         if pool.kind == "dedicated":
             (m,) = members
-            assert fleet.gpu_share(m) >= fleet.dedicated_threshold - EPS
+            assert hot(m, fleet)
             # The replicas cover the traffic at the target utilisation, and keep-warm, and the spares.
             assert pool.replicas * m.replica_rps * util >= m.expected_rps * (1 - EPS)
             assert pool.replicas >= fleet.keep_warm_of(m) + fleet.spare_replicas
             assert pool.swapped == () and pool.memory_budget_gib is None
         else:
             assert sum(m.compute for m in members) <= util + EPS
-            assert all(fleet.gpu_share(m) < fleet.dedicated_threshold for m in members)
+            assert not any(hot(m, fleet) for m in members)
             assert pool.replicas == max(fleet.keep_warm_of(m) for m in members)
             assert pool.memory_budget_gib == usable
             # Fair-share weights follow the compute share (with a floor, so none is 0).
@@ -127,7 +133,7 @@ def check_invariants(models: list[ModelLoad], fleet: Fleet, p: Placement) -> Non
                 assert pool.weights[m.name] > 0
     # Hot models get dedicated pools, and only they do.
     dedicated = {pool.models[0] for pool in p.pools if pool.kind == "dedicated"}
-    assert dedicated == {m.name for m in models if fleet.gpu_share(m) >= fleet.dedicated_threshold}
+    assert dedicated == {m.name for m in models if hot(m, fleet)}
     # Swapping only when the long tail does not fit resident.
     if p.gpus_needed_resident <= fleet.gpus:
         assert p.swapped == []
@@ -138,14 +144,17 @@ def _with_gpus(fleet: Fleet, gpus: int) -> Fleet:
                  fleet.keep_warm, fleet.memory_headroom, fleet.spare_replicas)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
+# 0.35 of a replica's traffic at 70 % busy is 0.5 GPU, the threshold, in decimals, and a rounding step
+# under it in floats (0.49999999999999994): hot, and the invariants say so too.
+@example(([ModelLoad("m0", 0.8, 3.0, 3.0 * 0.35)], Fleet(1, 16.0, 0.7, 0.5, 1, 0.0, 0)))
 def test_every_placement_keeps_the_invariants(scenario: tuple[list[ModelLoad], Fleet]) -> None:
     models, fleet = scenario
     check_invariants(models, fleet, place(models, fleet))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, derandomize=True, deadline=None)
 @given(scenarios(), st.integers(1, 8))
 def test_more_gpus_never_make_a_placement_infeasible(scenario: tuple[list[ModelLoad], Fleet], more: int) -> None:
     models, fleet = scenario
@@ -155,7 +164,7 @@ def test_more_gpus_never_make_a_placement_infeasible(scenario: tuple[list[ModelL
     assert after.gpus_needed == before.gpus_needed  # what it takes does not depend on what is given
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, derandomize=True, deadline=None)
 @given(scenarios())
 def test_every_emitted_command_parses_with_the_real_command_line(scenario: tuple[list[ModelLoad], Fleet]) -> None:
     models, fleet = scenario
@@ -227,6 +236,19 @@ def test_the_readme_example_dedicates_the_hot_models_and_packs_the_tail() -> Non
 
     short = place(models, Fleet(gpus=11, gpu_memory_gib=80))
     assert not short.feasible and short.gpus_needed == 12 and short.pools == ()
+
+
+def test_the_threshold_is_reached_within_float_rounding_only() -> None:
+    fleet = Fleet(gpus=4, gpu_memory_gib=80, target_utilisation=0.75, dedicated_threshold=0.4)
+    at = model("at", 1, 10, 3)  # 3 / (10 x 0.75) = 0.4 GPU exactly, computed a rounding step under it
+    assert fleet.gpu_share(at) < 0.4
+    under = model("under", 1, 10, 2.99999)  # a few millionths under: the long tail
+    p = place([at, under], fleet)
+    assert [(pool.name, pool.kind) for pool in p.pools] == [("at", "dedicated"), ("shared-1", "colocated")]
+    assert p.pools[1].models == ("under",)
+    # The slack is relative: however small the threshold, a model with no traffic is not hot.
+    tiny = place([model("idle", 1, 100, 0)], Fleet(gpus=1, gpu_memory_gib=16, dedicated_threshold=1e-12))
+    assert [(pool.kind, pool.models) for pool in tiny.pools] == [("colocated", ("idle",))]
 
 
 def test_a_model_larger_than_a_gpu_is_a_clear_error() -> None:
