@@ -8,7 +8,7 @@ Two mechanisms, applied in order:
    wait is brought up to date with what this producer sent since the state was measured. A *cold*
    model (no warm replica, a measured cold start) is judged by that instead: refused, with it as the
    retry-after, when the cold start and the queue before the request outlast its deadline.
-   A wait that is not a number refuses (as one too long would): no estimate admits everything.
+   An estimate that is not a finite number refuses (as one too long would): none admits everything.
 2. **Adaptive throttling** (Google SRE book, "Handling Overload"): each client tracks its recent
    requests and the ones the backend accepted, and refuses locally with probability
    ``max(0, (requests - K·accepts) / (requests + 1))``. It needs no signal at all, reacts within a
@@ -117,7 +117,7 @@ def health_decision(
     if health.level >= Level.SHEDDING and priority >= Priority.P2:
         return Decision(False, f"{health.model} is shedding {priority.label}", retry, "level")
     wait_ms = health.predicted_wait_ms if wait_ms is None else wait_ms
-    if not wait_ms + service_ms <= deadline_in_ms:  # NaN refuses, as a wait too long does
+    if not _fits(wait_ms + service_ms, deadline_in_ms):
         return Decision(
             False,
             f"{health.model}: predicted wait {wait_ms:.0f} ms + service {service_ms:.0f} ms "
@@ -128,12 +128,17 @@ def health_decision(
     return ADMIT
 
 
+def _fits(total_ms: float, deadline_in_ms: float) -> bool:
+    """An estimate that is a finite number within the deadline (NaN and ±inf never fit)."""
+    return math.isfinite(total_ms) and total_ms <= deadline_in_ms
+
+
 def _cold_decision(health: HealthState, deadline_in_ms: float, service_ms: float) -> Decision:
     """No worker has the model warm, and one will swap it in in about ``cold_start_ms``. Its level says
     little (a queue nobody drains looks stalled); what counts is whether the cold start, the records
     queued before this one and its own service fit in its deadline."""
     queue_ms = 1000.0 * health.lag / health.capacity_rps if health.capacity_rps > 0 else 0.0
-    if not health.cold_start_ms + queue_ms + service_ms <= deadline_in_ms:  # NaN refuses
+    if not _fits(health.cold_start_ms + queue_ms + service_ms, deadline_in_ms):
         return Decision(
             False,
             f"{health.model} is cold (no warm worker): expected cold start {health.cold_start_ms:.0f} ms"
