@@ -310,3 +310,15 @@ def test_the_telemetry_tables_hold_at_most_their_models_and_workers() -> None:
 def test_publishing_counts_workers_per_model_in_one_pass() -> None:
     seen = [("a|w1", 100), ("a|w2", 50), ("b|w1", 100), ("b|w3", 99)]
     assert workers_by_model(seen, since_ms=99) == {"a": 1, "b": 2}
+
+
+def test_a_worker_reports_only_what_the_telemetry_readers_accept() -> None:
+    from kinfer.consumers.telemetry import StatsReporter
+
+    with pytest.raises(ValueError, match="worker id"):
+        StatsReporter("a worker\n")
+    reporter = StatsReporter("host-1.example:42")
+    reporter.batch("m", size=4, requests=1, tokens=8, compute_s=1e9)  # a batch stuck for decades
+    reporter._records()
+    (record,) = reporter._buffer
+    assert BatchStats.unpack(record.pack()).compute_ms == MAX_DURATION_MS
