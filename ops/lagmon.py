@@ -126,10 +126,13 @@ class LagMonitor:
         if redis is None:
             return []
         raw: dict[bytes, object] = {}
+        cursor = 0
         try:
-            async for worker, data in redis.hscan_iter(RESIDENCY_KEY, count=256):
-                raw[worker] = data
-                if len(raw) >= MAX_WORKERS:
+            while True:
+                cursor, page = await redis.hscan(RESIDENCY_KEY, cursor, count=256)
+                if isinstance(page, dict):
+                    raw.update((k, v) for k, v in page.items() if isinstance(k, bytes))
+                if not cursor or len(raw) >= MAX_WORKERS:
                     break
         except (RedisError, OSError):
             return []

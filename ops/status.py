@@ -60,10 +60,12 @@ class Snapshot:
 
 
 async def _load(redis: aioredis.Redis, prefix: str, parse: Callable[[bytes], T]) -> list[T]:
-    keys = []
-    async for key in redis.scan_iter(match=f"{prefix}*", count=500):
-        keys.append(key)
-        if len(keys) >= MAX_KEYS:
+    keys: list[bytes | str] = []
+    cursor = 0
+    while True:
+        cursor, page = await redis.scan(cursor, match=f"{prefix}*", count=500)
+        keys += page[:MAX_KEYS - len(keys)]
+        if not cursor or len(keys) >= MAX_KEYS:
             break
     out = []
     for data in await redis.mget(keys) if keys else []:
@@ -80,12 +82,15 @@ async def snapshot(redis: aioredis.Redis, decisions: int = 10) -> Snapshot:
     changes = await _latest(redis, DECISIONS_KEY, decisions, LevelChange.unpack)
     scale_changes = await _latest(redis, SCALE_DECISIONS_KEY, decisions, ScaleDecision.unpack)
     residency = []
-    async for _, data in redis.hscan_iter(RESIDENCY_KEY, count=256):
-        with contextlib.suppress(MalformedRecord):
-            report = WorkerResidency.unpack(data)
-            if -MAX_SKEW_MS <= time.time() * 1000 - report.updated_ms <= RESIDENCY_FRESH_MS:
-                residency.append(report)
-        if len(residency) >= MAX_KEYS:
+    cursor = 0
+    while True:
+        cursor, page = await redis.hscan(RESIDENCY_KEY, cursor, count=256)
+        for data in page.values() if isinstance(page, dict) else ():
+            with contextlib.suppress(MalformedRecord):
+                report = WorkerResidency.unpack(data)
+                if -MAX_SKEW_MS <= time.time() * 1000 - report.updated_ms <= RESIDENCY_FRESH_MS:
+                    residency.append(report)
+        if not cursor or len(residency) >= MAX_KEYS:
             break
     return Snapshot(health, stats, changes, scaling, scale_changes, sorted(residency, key=lambda r: r.worker))
 
