@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -18,7 +19,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from kinfer.topics import now_ms
+from kinfer.topics.record import MAX_DURATION_MS, WORKER_PATTERN
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, size_bucket
+
+_COUNT_MAX = 2**31 - 1  # what a record's counts may hold (one flush of one worker)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ class _Sum:
 class StatsReporter:
     def __init__(self, worker: str, max_buffered: int = 10_000, interval_s: float = 0.25,
                  flush_timeout_s: float = 5.0) -> None:
+        if not re.search(WORKER_PATTERN, worker):  # else every record would be refused by its readers
+            raise ValueError(f"worker id {worker!r} must match {WORKER_PATTERN} (letters, digits, '_', '.', ':', '-')")
         self.worker = worker
         self.interval_s = interval_s
         self.flush_timeout_s = flush_timeout_s  # a missing topic or a slow broker costs records, not the worker
@@ -83,10 +89,12 @@ class StatsReporter:
         at = now_ms()
         sums, self._sums = self._sums, {}
         for (model, _, step, _), t in sums.items():
-            self._append(BatchStats(
-                model=model, worker=self.worker, at_ms=at, size=t.size, requests=t.requests, tokens=t.tokens,
-                compute_ms=round(t.compute_ms, 3), predicted_ms=round(t.predicted_ms, 3), errors=t.errors,
-                shed=dict(self._shed.pop(model, {})), step=step, batches=t.batches,
+            self._append(BatchStats(  # within the record's ranges, as its readers hold it to them
+                model=model, worker=self.worker, at_ms=at, size=min(t.size, _COUNT_MAX),
+                requests=min(t.requests, _COUNT_MAX), tokens=min(t.tokens, _COUNT_MAX),
+                compute_ms=round(min(t.compute_ms, MAX_DURATION_MS), 3),
+                predicted_ms=round(min(t.predicted_ms, MAX_DURATION_MS), 3), errors=min(t.errors, _COUNT_MAX),
+                shed=dict(self._shed.pop(model, {})), step=step, batches=min(t.batches, _COUNT_MAX),
             ))
         for model in list(self._shed):
             self._append(BatchStats(model=model, worker=self.worker, at_ms=at, shed=dict(self._shed.pop(model))))

@@ -58,6 +58,7 @@ from kinfer.ops.stack import StackInfo
 from kinfer.topics import now_ms
 from kinfer.topics.admin import offset_clients
 from kinfer.topics.names import consumer_group
+from kinfer.topics.readers import Supervised
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +218,13 @@ class AutoscaleLoop:
         self.scaler = Autoscaler(self.policy)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``; the loop restarts with backoff after any failure (a bad record it reads is
+        counted and skipped inside it), ``kinfer_reader_up{reader="autoscale"}`` 0 meanwhile."""
         monitor = LagMonitor(self.bootstrap, self.redis_url, models=[self.model], interval_s=self.interval_s,
-                             policy=HealthPolicy(commit_interval_ms=self.commit_interval_ms))
+                             policy=HealthPolicy(commit_interval_ms=self.commit_interval_ms), name="autoscale")
+        await Supervised("autoscale", lambda: self._run(monitor, stop)).run(stop)
+
+    async def _run(self, monitor: LagMonitor, stop: asyncio.Event) -> None:
         redis = aioredis.Redis.from_url(self.redis_url)
         try:
             async with offset_clients(self.bootstrap) as (admin, consumer):

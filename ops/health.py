@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from kinfer.topics.health import HealthState, Level
+from kinfer.topics.record import MAX_COUNT, MAX_DURATION_MS, MAX_RATE_RPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,18 +181,36 @@ class HealthEstimator:
 
     def state(self, model: str, updated_ms: int, *, lag_by_priority: tuple[int, int, int] = (0, 0, 0),
               service_ms: float = 0.0, warm_replicas: int = -1, cold_start_ms: float = 0.0) -> HealthState:
-        """What producers are told: the level and the estimate it was decided on, as of ``updated_ms``."""
+        """What producers are told: the level and the estimate it was decided on, as of ``updated_ms``,
+        each number within the range the record holds it to (a wait beyond ``MAX_DURATION_MS`` reads
+        as that: every deadline is shorter)."""
         return HealthState(
-            model=model, level=self.level, predicted_wait_ms=round(self.instant_wait_ms(), 1),
-            retry_after_ms=self.retry_after_ms(), lag=self.lag, arrival_rps=round(self.arrival_rps, 2),
-            drain_rps=round(self.drain_rps, 2), updated_ms=updated_ms, lag_by_priority=lag_by_priority,
-            arrival_by_priority=(round(self.arrival_by_priority[0], 2), round(self.arrival_by_priority[1], 2),
-                                 round(self.arrival_by_priority[2], 2)),
-            service_ms=service_ms, capacity_rps=round(self.capacity_rps, 2),
-            warm_replicas=warm_replicas, cold_start_ms=round(cold_start_ms, 1),
+            model=model, level=self.level, predicted_wait_ms=clamp_ms(self.instant_wait_ms()),
+            retry_after_ms=self.retry_after_ms(), lag=_count(self.lag), arrival_rps=clamp_rps(self.arrival_rps),
+            drain_rps=clamp_rps(self.drain_rps), updated_ms=updated_ms,
+            lag_by_priority=(_count(lag_by_priority[0]), _count(lag_by_priority[1]), _count(lag_by_priority[2])),
+            arrival_by_priority=(clamp_rps(self.arrival_by_priority[0]), clamp_rps(self.arrival_by_priority[1]),
+                                 clamp_rps(self.arrival_by_priority[2])),
+            service_ms=clamp_ms(service_ms), capacity_rps=clamp_rps(self.capacity_rps),
+            warm_replicas=warm_replicas, cold_start_ms=clamp_ms(cold_start_ms),
         )
 
     def retry_after_ms(self) -> int:
         """How long until the queue should have drained to the DEGRADED threshold."""
         excess_ms = max(0.0, self.wait_ms - self.policy.degraded_wait_ms)
-        return int(max(1000.0, excess_ms))
+        return int(clamp_ms(max(1000.0, excess_ms)))
+
+
+def clamp_ms(value: float) -> float:
+    """A wait within [0, MAX_DURATION_MS]; NaN reads as the longest (an estimate gone wrong is no
+    reason to admit)."""
+    return MAX_DURATION_MS if math.isnan(value) else round(min(MAX_DURATION_MS, max(0.0, value)), 1)
+
+
+def clamp_rps(value: float) -> float:
+    """A rate within [0, MAX_RATE_RPS]; NaN reads as 0 (not measured)."""
+    return 0.0 if math.isnan(value) else round(min(MAX_RATE_RPS, max(0.0, value)), 2)
+
+
+def _count(value: int) -> int:
+    return min(MAX_COUNT, max(0, value))

@@ -6,6 +6,14 @@ and drain rates; ``HealthEstimator`` turns them into a level with smoothing and 
 telemetry stream's summary adds the model's service time. The state goes to a Redis key
 (``kinfer:health:<model>``), a pub/sub notification (``kinfer:health``) and the compacted topic
 ``kinfer.health`` keyed by model; every level change is also kept in ``kinfer:decisions``.
+
+What it reads from Redis (the telemetry summaries, the workers' residency reports) is taken one
+record at a time: one that does not decode, or is dated ahead of this clock, is counted
+(``kinfer_malformed_records_total{reader="lagmon-stats"|"lagmon-residency"}``) and left out; a
+residency entry that is unreadable, dated ahead or long stale is removed from the hash. At most
+``MAX_MODELS`` models are tracked (states, estimators, metric labels; a model whose topics went
+is forgotten) and ``MAX_WORKERS`` residency reports read per poll. The polling loop restarts with
+backoff after any failure (``kinfer_reader_up{reader="lagmon"}`` is 0 meanwhile).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -23,7 +32,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
-from kinfer.ops.health import HealthEstimator, HealthPolicy
+from kinfer.ops.health import HealthEstimator, HealthPolicy, clamp_ms
 from kinfer.topics import MalformedRecord, now_ms
 from kinfer.topics.admin import TopicSpec, ensure_topics, group_members, offset_clients, read_offsets_many
 from kinfer.topics.connect import kafka_options
@@ -38,6 +47,8 @@ from kinfer.topics.health import (
     health_key,
 )
 from kinfer.topics.names import consumer_group, served_models
+from kinfer.topics.readers import Supervised, refused
+from kinfer.topics.record import MAX_SKEW_MS
 from kinfer.topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
 from kinfer.topics.stats import ModelStats, stats_key
 
@@ -60,6 +71,8 @@ COLD_START = Gauge("kinfer_cold_start_seconds", "While a model is cold: expected
 STATS_FRESH_MS = 5_000  # a telemetry summary older than this is no evidence (the processor may be down)
 RESIDENCY_FORGET_MS = 600_000  # a residency report this old is a dead worker's: removed
 COLD_GRACE_S = 5.0  # at least this long a cold model's waiting records are its cold start, not a stall
+MAX_MODELS = 1_024  # models tracked (states, estimators, metric labels); more are left out, named in the log
+MAX_WORKERS = 1_024  # residency reports read per poll (the hash is scanned; the rest wait for their turn)
 
 
 def health_topic_spec() -> TopicSpec:
@@ -73,23 +86,24 @@ class LagMonitor:
     models: list[str] | None = None  # None: every model with request topics
     interval_s: float = 0.5
     policy: HealthPolicy = field(default_factory=HealthPolicy)
+    name: str = "lagmon"  # the reader names its metrics carry (the autoscaler runs one of its own)
     states: dict[str, HealthState] = field(default_factory=dict)
     partitions: dict[str, int] = field(default_factory=dict)  # per request topic (the fewest of the three)
     stats: dict[str, ModelStats] = field(default_factory=dict)  # fresh telemetry summaries only
     estimators: dict[str, HealthEstimator] = field(default_factory=dict)  # by model
     _changes: list[LevelChange] = field(default_factory=list)  # not yet recorded in Redis
     _cold_since: dict[str, float] = field(default_factory=dict)  # cold models with records waiting, since
+    _left_out: int = 0  # models beyond MAX_MODELS at the last poll (logged when it changes)
 
-    @staticmethod
-    async def _telemetry(redis: aioredis.Redis | None, model: str) -> ModelStats | None:
+    async def _telemetry(self, redis: aioredis.Redis | None, model: str) -> ModelStats | None:
         """The model's summary from the telemetry stream (None when it is not running)."""
         if redis is None:
             return None
         try:
             data = await redis.get(stats_key(model))
-            return ModelStats.unpack(data) if isinstance(data, bytes) else None
-        except (RedisError, OSError, MalformedRecord):
+        except (RedisError, OSError):
             return None
+        return read_stats(data, now_ms(), f"{self.name}-stats") if data is not None else None
 
     def _cold(self, model: str, warm: int, lag: int, cold_start_ms: float | None, loading: bool) -> bool:
         """Cold, and believed to be coming: no worker has it warm, one has it registered (it swaps it in
@@ -106,23 +120,23 @@ class LagMonitor:
         since = self._cold_since.setdefault(model, time.monotonic())
         return loading or time.monotonic() - since < max(COLD_GRACE_S, 2 * cold_start_ms / 1000.0)
 
-    @staticmethod
-    async def _residency(redis: aioredis.Redis | None) -> list[WorkerResidency]:
-        """The workers' residency reports (``kinfer:residency``); unreadable ones are skipped."""
+    async def _residency(self, redis: aioredis.Redis | None) -> list[WorkerResidency]:
+        """The workers' residency reports (``kinfer:residency``), at most ``MAX_WORKERS``; entries that
+        are unreadable, dated ahead or long stale are removed."""
         if redis is None:
             return []
+        raw: dict[bytes, object] = {}
+        cursor = 0
         try:
-            raw = await redis.hgetall(RESIDENCY_KEY)
+            while True:
+                cursor, page = await redis.hscan(RESIDENCY_KEY, cursor, count=256)
+                if isinstance(page, dict):
+                    raw.update((k, v) for k, v in page.items() if isinstance(k, bytes))
+                if not cursor or len(raw) >= MAX_WORKERS:
+                    break
         except (RedisError, OSError):
             return []
-        reports, gone = [], []
-        for worker, data in raw.items():
-            with contextlib.suppress(MalformedRecord):
-                report = WorkerResidency.unpack(data) if isinstance(data, bytes) else None
-                if report is not None and now_ms() - report.updated_ms > RESIDENCY_FORGET_MS:
-                    gone.append(worker)  # a worker killed without saying goodbye
-                elif report is not None:
-                    reports.append(report)
+        reports, gone = read_residency(raw, now_ms(), f"{self.name}-residency")
         if gone:
             with contextlib.suppress(RedisError, OSError):
                 await redis.hdel(RESIDENCY_KEY, *gone)
@@ -130,10 +144,13 @@ class LagMonitor:
 
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_topics(self.bootstrap, [health_topic_spec()])
+        await Supervised(self.name, lambda: self._run(stop)).run(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         producer = AIOKafkaProducer(**kafka_options(self.bootstrap), acks="all")
         redis = aioredis.Redis.from_url(self.redis_url)
-        await producer.start()
         try:
+            await producer.start()
             async with offset_clients(self.bootstrap) as (admin, consumer):
                 while not stop.is_set():
                     try:
@@ -147,10 +164,25 @@ class LagMonitor:
             await producer.stop()
             await redis.aclose()
 
+    def _tracked(self, models: list[str]) -> list[str]:
+        """At most ``MAX_MODELS`` of ``models``; what was tracked of any other is forgotten."""
+        if len(models) > MAX_MODELS:
+            if len(models) - MAX_MODELS != self._left_out:
+                log.warning("%d models, tracking the first %d (by name): %s ... left out", len(models), MAX_MODELS,
+                            ", ".join(sorted(models)[MAX_MODELS:][:5]))
+            self._left_out = len(models) - MAX_MODELS
+            models = sorted(models)[:MAX_MODELS]
+        keep = set(models)
+        for model in [m for m in self.estimators if m not in keep]:
+            for table in (self.estimators, self.states, self.stats, self.partitions, self._cold_since):
+                table.pop(model, None)
+            _unexport(model)
+        return models
+
     async def poll(
         self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, redis: aioredis.Redis | None = None
     ) -> list[HealthState]:
-        models = self.models or served_models(await admin.list_topics())
+        models = self._tracked(self.models or served_models(await admin.list_topics()))
         members = await group_members(admin, [consumer_group(model) for model in models])
         reports = await self._residency(redis)
         cold_starts = cold_start_estimates(reports, now_ms())
@@ -165,7 +197,7 @@ class LagMonitor:
             lag = sum(offsets.lag)
             stats = await self._telemetry(redis, model)
             estimator = self.estimators.setdefault(model, HealthEstimator(self.policy))
-            fresh = stats is not None and now_ms() - stats.updated_ms < STATS_FRESH_MS
+            fresh = stats is not None and -MAX_SKEW_MS <= now_ms() - stats.updated_ms < STATS_FRESH_MS
             self.partitions[model] = offsets.partitions
             if stats is not None and fresh:
                 self.stats[model] = stats
@@ -186,7 +218,7 @@ class LagMonitor:
                 LEVEL_CHANGES.labels(model, level.name.lower()).inc()
                 log.info("%s: %s (lag %d, predicted wait %.0f ms)", model, level.name, lag, estimator.wait_ms)
                 self._changes.append(LevelChange(state.updated_ms, model, previous.level if previous else None,
-                                                 level, lag, round(estimator.wait_ms, 1)))
+                                                 level, state.lag, clamp_ms(estimator.wait_ms)))
             self.states[model] = state
             _export(state)
             states.append(state)
@@ -218,6 +250,53 @@ def _export(state: HealthState) -> None:
     CAPACITY.labels(model).set(state.capacity_rps)
     WARM.labels(model).set(state.warm_replicas)
     COLD_START.labels(model).set(state.cold_start_ms / 1000.0)
+
+
+def _unexport(model: str) -> None:
+    """A model no longer tracked leaves no series behind."""
+    for gauge in (LAG, LEVEL, PREDICTED_WAIT, ARRIVAL, DRAIN, CAPACITY, WARM, COLD_START):
+        with contextlib.suppress(KeyError):
+            gauge.remove(model)
+    for level in Level:
+        with contextlib.suppress(KeyError):
+            LEVEL_CHANGES.remove(model, level.name.lower())
+
+
+def read_stats(data: object, now: int, reader: str = "lagmon-stats") -> ModelStats | None:
+    """A telemetry summary off Redis, or None (counted) when it does not decode or is dated ahead."""
+    try:
+        stats = ModelStats.unpack(data)
+    except MalformedRecord as exc:
+        refused(reader, exc)
+        return None
+    if stats.updated_ms > now + MAX_SKEW_MS:
+        refused(reader, "future")
+        return None
+    return stats
+
+
+def read_residency(raw: Mapping[bytes, object], now: int,
+                   reader: str = "lagmon-residency") -> tuple[list[WorkerResidency], list[bytes]]:
+    """The residency reports in ``raw`` (field -> value of ``kinfer:residency``) that can be used, and
+    the fields to remove: unreadable (counted), dated ahead of ``now`` (counted: a report from the
+    future would never go stale), or older than ``RESIDENCY_FORGET_MS`` (a worker killed without
+    saying goodbye)."""
+    reports, gone = [], []
+    for worker, data in raw.items():
+        try:
+            report = WorkerResidency.unpack(data)
+        except MalformedRecord as exc:
+            refused(reader, exc)
+            gone.append(worker)
+            continue
+        if report.updated_ms > now + MAX_SKEW_MS:
+            refused(reader, "future")
+            gone.append(worker)
+        elif now - report.updated_ms > RESIDENCY_FORGET_MS:
+            gone.append(worker)
+        else:
+            reports.append(report)
+    return reports, gone
 
 
 def loading_models(reports: list[WorkerResidency], now: int) -> set[str]:

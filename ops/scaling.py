@@ -29,8 +29,22 @@ import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from kinfer.topics.record import Record
+import msgspec
+
+from kinfer.topics.record import (
+    MAX_COUNT,
+    MAX_DURATION_MS,
+    MAX_RATE_RPS,
+    Label,
+    Millis,
+    ModelName,
+    Rate,
+    Record,
+    SmallCount,
+    WallMs,
+)
 
 IDLE_RPS = 0.01  # a smoothed arrival rate below this (one record in 100 s) is no traffic
 
@@ -90,33 +104,41 @@ def scale_state_key(model: str) -> str:
     return f"{SCALE_STATE_PREFIX}{model}"
 
 
+PoolMode = Annotated[str, msgspec.Meta(pattern=r"^(local|kubernetes)\Z")]
+Records = Annotated[float, msgspec.Meta(ge=0.0, le=float(MAX_COUNT))]
+
+
 class ScaleState(Record, frozen=True):
     """The autoscaler's latest view of one model (Redis, for ``kinfer status``)."""
 
-    model: str
-    mode: str  # local | kubernetes
-    replicas: int  # what it runs now
-    recommended: int  # what the load asks for, before cooldowns and the down window
-    min_replicas: int
-    max_replicas: int  # the policy's maximum, capped by the partitions
-    load_rps: float
-    replica_rps: float
-    updated_ms: int
-    restarts: int = 0  # local workers that died and were started again
+    max_bytes = 1_024
+
+    model: ModelName
+    mode: PoolMode  # local | kubernetes
+    replicas: SmallCount  # what it runs now
+    recommended: SmallCount  # what the load asks for, before cooldowns and the down window
+    min_replicas: SmallCount
+    max_replicas: SmallCount  # the policy's maximum, capped by the partitions
+    load_rps: Rate
+    replica_rps: Rate
+    updated_ms: WallMs
+    restarts: SmallCount = 0  # local workers that died and were started again
 
 
 class ScaleDecision(Record, frozen=True):
     """One change of the replica count, kept for ``kinfer status`` and exported as metrics."""
 
-    at_ms: int
-    model: str
-    before: int
-    after: int
-    reason: str
-    load_rps: float  # arrivals plus the backlog's drain rate the decision was sized for
-    replica_rps: float  # what one replica was taken to drain
-    queued: float
-    wait_ms: float  # the backlog's drain time at ``before`` replicas
+    max_bytes = 1_024
+
+    at_ms: WallMs
+    model: ModelName
+    before: SmallCount
+    after: SmallCount
+    reason: Label  # a Reason
+    load_rps: Rate  # arrivals plus the backlog's drain rate the decision was sized for
+    replica_rps: Rate  # what one replica was taken to drain
+    queued: Records
+    wait_ms: Millis  # the backlog's drain time at ``before`` replicas (at most MAX_DURATION_MS)
 
 
 @dataclass(slots=True)
@@ -180,7 +202,9 @@ class Autoscaler:
             self._last_change = obs.now
             if target > obs.replicas:
                 self._last_up = obs.now
-        return Recommendation(target, reason, round(load, 3), round(per, 3), round(min(wait_ms, 1e9), 1), raw)
+        # Reported within the ranges of the records they go into (a wait beyond an hour reads as one).
+        return Recommendation(target, reason, round(min(load, MAX_RATE_RPS), 3), round(min(per, MAX_RATE_RPS), 3),
+                              round(min(wait_ms, MAX_DURATION_MS), 1), raw)
 
     def _replicas_for(self, load: float, replicas: int, busy: bool) -> int:
         p, per = self.policy, self.replica_rps

@@ -2,7 +2,8 @@
 
 Everything comes from Redis, where the lag monitor (health states, level changes) and the
 telemetry stream (throughput, service time, sheds) publish; a model missing from one of them
-shows dashes there.
+shows dashes there. A record that does not decode is left out; at most ``MAX_KEYS`` keys of each
+kind are read (Redis may hold anything anyone wrote there).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import redis.asyncio as aioredis
 from kinfer.ops.scaling import SCALE_DECISIONS_KEY, SCALE_STATE_PREFIX, ScaleDecision, ScaleState
 from kinfer.topics import MalformedRecord
 from kinfer.topics.health import DECISIONS_KEY, HEALTH_KEY_PREFIX, HealthState, LevelChange
+from kinfer.topics.record import MAX_SKEW_MS
 from kinfer.topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
 from kinfer.topics.stats import STATS_KEY_PREFIX, ModelStats
 
 T = TypeVar("T")
 GIB = 1 << 30
+MAX_KEYS = 1_024  # health states, summaries, autoscaler states read (of each); residency reports read
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +60,13 @@ class Snapshot:
 
 
 async def _load(redis: aioredis.Redis, prefix: str, parse: Callable[[bytes], T]) -> list[T]:
-    keys = [k async for k in redis.scan_iter(match=f"{prefix}*", count=500)]
+    keys: list[bytes | str] = []
+    cursor = 0
+    while True:
+        cursor, page = await redis.scan(cursor, match=f"{prefix}*", count=500)
+        keys += page[:MAX_KEYS - len(keys)]
+        if not cursor or len(keys) >= MAX_KEYS:
+            break
     out = []
     for data in await redis.mget(keys) if keys else []:
         if isinstance(data, bytes):  # a key can expire between the scan and the read
@@ -73,11 +82,16 @@ async def snapshot(redis: aioredis.Redis, decisions: int = 10) -> Snapshot:
     changes = await _latest(redis, DECISIONS_KEY, decisions, LevelChange.unpack)
     scale_changes = await _latest(redis, SCALE_DECISIONS_KEY, decisions, ScaleDecision.unpack)
     residency = []
-    for data in (await redis.hgetall(RESIDENCY_KEY)).values():
-        with contextlib.suppress(MalformedRecord):
-            report = WorkerResidency.unpack(data) if isinstance(data, bytes) else None
-            if report is not None and time.time() * 1000 - report.updated_ms <= RESIDENCY_FRESH_MS:
-                residency.append(report)
+    cursor = 0
+    while True:
+        cursor, page = await redis.hscan(RESIDENCY_KEY, cursor, count=256)
+        for data in page.values() if isinstance(page, dict) else ():
+            with contextlib.suppress(MalformedRecord):
+                report = WorkerResidency.unpack(data)
+                if -MAX_SKEW_MS <= time.time() * 1000 - report.updated_ms <= RESIDENCY_FRESH_MS:
+                    residency.append(report)
+        if not cursor or len(residency) >= MAX_KEYS:
+            break
     return Snapshot(health, stats, changes, scaling, scale_changes, sorted(residency, key=lambda r: r.worker))
 
 

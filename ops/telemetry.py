@@ -10,14 +10,25 @@ the lag monitor adds its service time to the health state, and ``kinfer status``
 Processing is at least once (faust's default): a record that was being processed when the
 processor died or its partitions moved can be counted twice. Telemetry tolerates that; requests
 never depend on it.
+
+Each record is taken on its own (``Aggregator.add``): one that does not decode (a tombstone,
+nesting, a number out of range), is dated ahead of this clock, or names a model beyond
+``MAX_MODELS`` is counted (``kinfer_malformed_records_total{reader="telemetry"}``) and skipped, so
+the agent never crashes on a record. Memory is bounded: at most ``MAX_MODELS`` models (one idle for
+``MODEL_FORGET_S`` is forgotten, with its metric labels), ``MAX_WORKERS`` (model, worker) pairs
+(stale ones pruned), shed reasons only the batcher's own; publishing costs models + workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import Counter as Tally
+from collections.abc import Iterable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -27,15 +38,16 @@ from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
 from kinfer.batcher import Reason
-from kinfer.topics import MalformedRecord
+from kinfer.topics import MalformedRecord, now_ms
 from kinfer.topics.admin import cluster_replication
 from kinfer.topics.connect import KafkaAuth
+from kinfer.topics.readers import refused
+from kinfer.topics.record import MAX_COUNT, MAX_DURATION_MS, MAX_RATE_RPS, MAX_SKEW_MS
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
 
 log = logging.getLogger(__name__)
 
 RECORDS = Counter("kinfer_telemetry_records_total", "Per-batch stats records aggregated", ["model"])
-MALFORMED = Counter("kinfer_telemetry_malformed_total", "Stats records skipped as unreadable")
 SERVICE = Gauge("kinfer_telemetry_service_seconds", "Mean compute time of a batch, last two windows", ["model"])
 SERVED = Gauge("kinfer_telemetry_inputs_rps", "Inputs served per second, last two windows", ["model"])
 REPORTING = Gauge("kinfer_telemetry_workers", "Workers that sent stats in the last two windows", ["model"])
@@ -43,6 +55,103 @@ PUBLISHED = Gauge("kinfer_telemetry_published_timestamp_seconds", "When summarie
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SHED_REASONS = tuple(r.value for r in Reason)
+
+READER = "telemetry"
+MAX_MODELS = 1_024  # models the processor keeps tables (and metric labels) for
+MAX_WORKERS = 4_096  # (model, worker) pairs it keeps the latest batch time of
+MODEL_FORGET_S = 3_600.0  # a model without a record this long is forgotten (its running total too)
+
+
+@dataclass
+class Aggregator:
+    """The agent's work on one record, over the processor's tables (faust tables in the app; any
+    mutable mappings with defaults in tests). Never raises: a record it cannot use is counted."""
+
+    window_s: float
+    inputs: Any  # model -> inputs served (windowed)
+    requests: Any  # model -> requests (records) answered (windowed)
+    batches: Any  # model -> one-shot batches (windowed)
+    steps: Any  # model -> generation steps (windowed)
+    service_n: Any  # "model|bucket" -> batches of that size (windowed)
+    service_ms: Any  # "model|bucket" -> compute ms of those batches (windowed)
+    shed: Any  # "model|reason" -> requests refused (windowed)
+    totals: MutableMapping[str, int]  # model -> inputs since the beginning
+    seen: MutableMapping[str, int]  # "model|worker" -> wall ms of its latest batch
+    models: MutableMapping[str, int]  # model -> wall ms of its latest record: the models tracked
+    max_models: int = MAX_MODELS
+    max_workers: int = MAX_WORKERS
+    forget_ms: int = int(MODEL_FORGET_S * 1000)
+    forgotten: list[str] = field(default_factory=list)  # models forgotten, for the caller's metric labels
+
+    def add(self, value: object, now: int) -> bool:
+        """Count one record of ``kinfer.stats``; False (and counted by reason) when it was skipped."""
+        try:
+            s = BatchStats.unpack(value)
+        except MalformedRecord as exc:
+            refused(READER, exc)
+            return False
+        if s.at_ms > now + MAX_SKEW_MS:
+            refused(READER, "future")
+            return False
+        if s.model not in self.models and not self._room_for_model(now):
+            refused(READER, "capacity")
+            return False
+        try:
+            self._count(s, now)
+        except Exception:  # a table that failed under one record: that record is lost, not the agent
+            log.exception("telemetry: a stats record of %s could not be counted", s.model)
+            refused(READER, "error")
+            return False
+        return True
+
+    def _count(self, s: BatchStats, now: int) -> None:
+        self.models[s.model] = now
+        RECORDS.labels(s.model).inc()
+        n = max(1, s.batches)  # a record sums this many batches of one size bucket
+        if s.size:
+            self._seen(f"{s.model}|{s.worker}", s.at_ms)
+        if s.size and s.step:
+            self.steps[s.model] += n
+        elif s.size and not s.errors:  # a failed batch served nothing, and its time says nothing
+            key = f"{s.model}|{size_bucket(round(s.size / n))}"
+            self.inputs[s.model] += s.size
+            self.requests[s.model] += s.requests
+            self.batches[s.model] += n
+            self.service_n[key] += n
+            self.service_ms[key] += s.compute_ms
+        for reason, count in s.shed.items():
+            if reason in SHED_REASONS:  # the batcher's reasons only: a table key per model and reason
+                self.shed[f"{s.model}|{reason}"] += count
+        self.totals[s.model] += s.size
+
+    def _seen(self, key: str, at_ms: int) -> None:
+        if key not in self.seen and len(self.seen) >= self.max_workers:
+            since = at_ms - int(self.window_s * 6 * 1000)
+            for old in [k for k, at in self.seen.items() if at < since]:
+                del self.seen[old]
+            if len(self.seen) >= self.max_workers:
+                return  # the worker's batches count; only its share of ``workers`` is not known
+        self.seen[key] = at_ms
+
+    def _room_for_model(self, now: int) -> bool:
+        """Below ``max_models``: models idle for ``forget_ms`` are forgotten to make room."""
+        if len(self.models) < self.max_models:
+            return True
+        for model in [m for m, at in self.models.items() if now - at > self.forget_ms]:
+            del self.models[model]
+            with contextlib.suppress(KeyError):
+                del self.totals[model]
+            self.forgotten.append(model)
+        return len(self.models) < self.max_models
+
+
+def workers_by_model(seen: Iterable[tuple[str, int]], since_ms: float) -> Tally[str]:
+    """Distinct workers per model with a batch at or after ``since_ms``: one pass over ``seen``."""
+    counts: Tally[str] = Tally()
+    for key, at in seen:
+        if at >= since_ms:
+            counts[key.partition("|")[0]] += 1
+    return counts
 
 
 def summarize(
@@ -60,17 +169,21 @@ def summarize(
     span = window_s + elapsed_s
     batches = windows["batches"]
     n_total = sum(windows["service_n"].values())
+
+    def rate(n: float, per: float) -> float:  # within the record's ranges, whatever the tables hold
+        return round(min(MAX_RATE_RPS, n / per), 3) if per else 0.0
+
     return ModelStats(
         model=model, window_s=window_s,
-        inputs_rps=round(windows["inputs"] / span, 3), batches_rps=round(batches / span, 3),
-        mean_batch=round(windows["inputs"] / batches, 3) if batches else 0.0,
-        service_ms=round(sum(windows["service_ms"].values()) / n_total, 3) if n_total else 0.0,
-        service_ms_by_size={b: round(windows["service_ms"][b] / n, 3)
+        inputs_rps=rate(windows["inputs"], span), batches_rps=rate(batches, span),
+        mean_batch=rate(windows["inputs"], batches),
+        service_ms=round(min(MAX_DURATION_MS, sum(windows["service_ms"].values()) / n_total), 3) if n_total else 0.0,
+        service_ms_by_size={b: round(min(MAX_DURATION_MS, windows["service_ms"][b] / n), 3)
                             for b, n in windows["service_n"].items() if n},
-        shed={r: n for r, n in windows["shed"].items() if n}, inputs_total=total,
+        shed={r: min(MAX_COUNT, n) for r, n in windows["shed"].items() if n}, inputs_total=min(MAX_COUNT, total),
         updated_ms=int(time.time() * 1000), workers=workers,
-        requests_per_batch=round(windows["requests"] / batches, 3) if batches else 0.0,
-        steps_rps=round(windows["steps"] / span, 3),
+        requests_per_batch=rate(windows["requests"], batches),
+        steps_rps=rate(windows["steps"], span),
     )
 
 
@@ -103,42 +216,27 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
     def windowed(name: str, default: type) -> Any:
         return app.Table(name, default=default).tumbling(window_s, expires=keep)
 
-    inputs = windowed("inputs", int)  # model -> inputs served
-    requests = windowed("requests", int)  # model -> requests (records) answered
-    batches = windowed("batches", int)  # model -> one-shot batches
-    steps = windowed("steps", int)  # model -> generation steps
-    service_n = windowed("service-n", int)  # "model|bucket" -> batches of that size
-    service_ms = windowed("service-ms", float)  # "model|bucket" -> compute ms of those batches
-    shed = windowed("shed", int)  # "model|reason" -> requests refused
-    totals = app.Table("totals", default=int)  # model -> inputs since the beginning (and the set of models)
-    seen = app.Table("workers", default=int)  # "model|worker" -> wall ms of its latest batch
+    tables = Aggregator(
+        window_s=window_s,
+        inputs=windowed("inputs", int),
+        requests=windowed("requests", int),
+        batches=windowed("batches", int),
+        steps=windowed("steps", int),
+        service_n=windowed("service-n", int),
+        service_ms=windowed("service-ms", float),
+        shed=windowed("shed", int),
+        totals=app.Table("totals", default=int),
+        seen=app.Table("workers", default=int),
+        models=app.Table("models", default=int),
+    )
     redis = aioredis.Redis.from_url(redis_url)
 
     @app.agent(source)
     async def aggregate(stream: Any) -> None:
         async for value in stream:
-            try:
-                s = BatchStats.unpack(value)
-            except MalformedRecord as exc:
-                log.warning("skipping a malformed stats record: %s", exc)
-                MALFORMED.inc()
-                continue
-            RECORDS.labels(s.model).inc()
-            n = max(1, s.batches)  # a record sums this many batches of one size bucket
-            if s.size:
-                seen[f"{s.model}|{s.worker}"] = s.at_ms
-            if s.size and s.step:
-                steps[s.model] += n
-            elif s.size and not s.errors:  # a failed batch served nothing, and its time says nothing
-                key = f"{s.model}|{size_bucket(round(s.size / n))}"
-                inputs[s.model] += s.size
-                requests[s.model] += s.requests
-                batches[s.model] += n
-                service_n[key] += n
-                service_ms[key] += s.compute_ms
-            for reason, n in s.shed.items():
-                shed[f"{s.model}|{reason}"] += n
-            totals[s.model] += s.size
+            tables.add(value, now_ms())
+            while tables.forgotten:
+                _unlabel(tables.forgotten.pop())
 
     def both(table: Any, key: str, now: float) -> Any:
         """The current window's value plus the previous one's."""
@@ -147,23 +245,29 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
 
     async def publish() -> None:
         now = time.time()
-        elapsed = now - table_start(inputs, now)
-        for model in list(totals.keys()):
-            windows = {
-                "inputs": both(inputs, model, now), "requests": both(requests, model, now),
-                "batches": both(batches, model, now), "steps": both(steps, model, now),
-                "service_n": {b: both(service_n, f"{model}|{b}", now) for b in BUCKETS},
-                "service_ms": {b: both(service_ms, f"{model}|{b}", now) for b in BUCKETS},
-                "shed": {r: both(shed, f"{model}|{r}", now) for r in SHED_REASONS},
-            }
-            since = (now - window_s - elapsed) * 1000.0
-            workers = sum(1 for key, at in seen.items() if key.startswith(f"{model}|") and at >= since)
-            summary = summarize(model, window_s, elapsed, windows, totals[model], workers)
-            SERVICE.labels(model).set(summary.service_ms / 1000.0)
-            SERVED.labels(model).set(summary.inputs_rps)
-            REPORTING.labels(model).set(workers)
+        elapsed = now - table_start(tables.inputs, now)
+        workers = workers_by_model(list(tables.seen.items()), (now - window_s - elapsed) * 1000.0)
+        t = tables
+        async with redis.pipeline(transaction=False) as pipe:
+            for model in list(t.models.keys()):
+                try:
+                    windows = {
+                        "inputs": both(t.inputs, model, now), "requests": both(t.requests, model, now),
+                        "batches": both(t.batches, model, now), "steps": both(t.steps, model, now),
+                        "service_n": {b: both(t.service_n, f"{model}|{b}", now) for b in BUCKETS},
+                        "service_ms": {b: both(t.service_ms, f"{model}|{b}", now) for b in BUCKETS},
+                        "shed": {r: both(t.shed, f"{model}|{r}", now) for r in SHED_REASONS},
+                    }
+                    summary = summarize(model, window_s, elapsed, windows, t.totals[model], workers[model])
+                except Exception:  # one model's summary that fails leaves the others'
+                    log.exception("telemetry: no summary for %s", model)
+                    continue
+                SERVICE.labels(model).set(summary.service_ms / 1000.0)
+                SERVED.labels(model).set(summary.inputs_rps)
+                REPORTING.labels(model).set(summary.workers)
+                pipe.set(stats_key(model), summary.pack(), px=int(max(30.0, window_s * 6) * 1000))
             try:
-                await redis.set(stats_key(model), summary.pack(), px=int(max(30.0, window_s * 6) * 1000))
+                await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("telemetry: Redis unreachable: %s", exc)
                 return
@@ -171,6 +275,13 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
 
     app.timer(interval=publish_s)(publish)
     return app
+
+
+def _unlabel(model: str) -> None:
+    """A forgotten model leaves no series behind."""
+    for metric in (RECORDS, SERVICE, SERVED, REPORTING):
+        with contextlib.suppress(KeyError):
+            metric.remove(model)
 
 
 def table_start(table: Any, now: float) -> float:

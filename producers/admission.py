@@ -8,6 +8,7 @@ Two mechanisms, applied in order:
    wait is brought up to date with what this producer sent since the state was measured. A *cold*
    model (no warm replica, a measured cold start) is judged by that instead: refused, with it as the
    retry-after, when the cold start and the queue before the request outlast its deadline.
+   An estimate that is not a finite number refuses (as one too long would): none admits everything.
 2. **Adaptive throttling** (Google SRE book, "Handling Overload"): each client tracks its recent
    requests and the ones the backend accepted, and refuses locally with probability
    ``max(0, (requests - K·accepts) / (requests + 1))``. It needs no signal at all, reacts within a
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from kinfer.topics import Priority
 from kinfer.topics.health import HealthState, Level
+from kinfer.topics.record import MAX_DURATION_MS
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,16 @@ class Decision:
 
 
 ADMIT = Decision(True)
+
+MAX_RETRY_AFTER_S = MAX_DURATION_MS / 1000.0  # the longest retry-after admission names
+
+
+def retry_after(seconds: float, floor: float = 0.0) -> float:
+    """A retry-after within [``floor``, ``MAX_RETRY_AFTER_S``] whatever ``seconds`` is (NaN and inf
+    included): it ends up in a ``Retry-After`` header as a whole number."""
+    if seconds != seconds:  # NaN
+        return MAX_RETRY_AFTER_S
+    return min(MAX_RETRY_AFTER_S, max(floor, seconds))
 
 
 # Beyond this, a state is too old to bring up to date by arithmetic: it stands as it is.
@@ -99,13 +111,13 @@ def health_decision(
     service_ms = health.service_ms if service_ms is None else service_ms
     if health.warm_replicas == 0 and health.cold_start_ms > 0:
         return _cold_decision(health, deadline_in_ms, service_ms)
-    retry = health.retry_after_ms / 1000.0
+    retry = retry_after(health.retry_after_ms / 1000.0)
     if health.level >= Level.REJECTING and priority > Priority.P0:
         return Decision(False, f"{health.model} is rejecting {priority.label}", retry, "level")
     if health.level >= Level.SHEDDING and priority >= Priority.P2:
         return Decision(False, f"{health.model} is shedding {priority.label}", retry, "level")
     wait_ms = health.predicted_wait_ms if wait_ms is None else wait_ms
-    if wait_ms + service_ms > deadline_in_ms:
+    if not _fits(wait_ms + service_ms, deadline_in_ms):
         return Decision(
             False,
             f"{health.model}: predicted wait {wait_ms:.0f} ms + service {service_ms:.0f} ms "
@@ -116,17 +128,22 @@ def health_decision(
     return ADMIT
 
 
+def _fits(total_ms: float, deadline_in_ms: float) -> bool:
+    """An estimate that is a finite number within the deadline (NaN and ±inf never fit)."""
+    return math.isfinite(total_ms) and total_ms <= deadline_in_ms
+
+
 def _cold_decision(health: HealthState, deadline_in_ms: float, service_ms: float) -> Decision:
     """No worker has the model warm, and one will swap it in in about ``cold_start_ms``. Its level says
     little (a queue nobody drains looks stalled); what counts is whether the cold start, the records
     queued before this one and its own service fit in its deadline."""
     queue_ms = 1000.0 * health.lag / health.capacity_rps if health.capacity_rps > 0 else 0.0
-    if health.cold_start_ms + queue_ms + service_ms > deadline_in_ms:
+    if not _fits(health.cold_start_ms + queue_ms + service_ms, deadline_in_ms):
         return Decision(
             False,
             f"{health.model} is cold (no warm worker): expected cold start {health.cold_start_ms:.0f} ms"
             f" + queue {queue_ms:.0f} ms + service {service_ms:.0f} ms exceeds the {deadline_in_ms:.0f} ms deadline",
-            max(1.0, health.cold_start_ms / 1000.0),
+            retry_after(health.cold_start_ms / 1000.0, floor=1.0),
             "cold",
         )
     return ADMIT

@@ -462,8 +462,10 @@ class Client:
         return served_models(cluster.topics())
 
     async def ping(self) -> dict[str, bool]:
-        """Whether Kafka and Redis answer now, and the reply readers run (for readiness probes)."""
-        status = {"kafka": True, "redis": True, "replies": self._replies.reading}
+        """Whether Kafka and Redis answer now, and the reply readers and the health watch run (for
+        readiness probes; without the watch, admission runs on adaptive throttling alone)."""
+        status = {"kafka": True, "redis": True, "replies": self._replies.reading,
+                  "health": self._health.up or not self.settings.admission}
         try:
             await asyncio.wait_for(self._producer.client.fetch_all_metadata(), 2.0)
         except (KafkaError, TimeoutError):

@@ -137,11 +137,11 @@ async def _partition_counts(
 async def offset_clients(bootstrap: str) -> AsyncIterator[tuple[AIOKafkaAdminClient, AIOKafkaConsumer]]:
     """What reading a model's lag takes: an admin client (committed offsets) and a consumer (log ends)."""
     admin = AIOKafkaAdminClient(**kafka_options(bootstrap))
-    consumer = AIOKafkaConsumer(**kafka_options(bootstrap), enable_auto_commit=False)
-    await admin.start()
     try:
-        await consumer.start()
-        try:
+        await admin.start()
+        consumer = AIOKafkaConsumer(**kafka_options(bootstrap), enable_auto_commit=False)
+        try:  # one that failed to start is stopped too (else it is left unclosed, and says so)
+            await consumer.start()
             yield admin, consumer
         finally:
             await consumer.stop()

@@ -90,8 +90,11 @@ class Unavailable(KinferError):
 
 
 class MalformedRecord(KinferError):
-    """A reply, health state or stats record that breaks its definition; ``field`` names the part."""
+    """A reply, health state or stats record that breaks its definition; ``field`` names the part,
+    ``reason`` says how, in a word fit for a metric label (size, depth, syntax, schema, memory,
+    tombstone, type, future, capacity)."""
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, reason: str = "schema") -> None:
         super().__init__(message)
         self.field = field
+        self.reason = reason

@@ -13,35 +13,51 @@ without the note no worker would see any reason to swap the model in.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-from kinfer.topics.record import Record
+from kinfer.topics.record import Bytes, Millis, ModelName, Record, WallMs, WorkerName
 
 RESIDENCY_KEY = "kinfer:residency"
 RESIDENCY_FRESH_MS = 10_000
 DEMAND_CHANNEL = "kinfer:demand"
 
 TIERS = ("device", "host", "disk")  # where weights can be: served / a copy away / a load away
+MAX_MODELS_PER_WORKER = 256  # models one residency report may list
+
+# A tier's name (str, so a worker's own strings type-check; the pattern is what is enforced).
+Tier = Annotated[str, msgspec.Meta(pattern=r"^(device|host|disk)\Z")]
+Placement = Annotated[str, msgspec.Meta(pattern=r"^(device|host|disk|loading)\Z")]
 
 
 class ModelResidency(Record, frozen=True):
-    model: str
-    tier: str  # one of TIERS, or "loading" while a swap-in runs
-    footprint_bytes: int = 0  # device memory of the weights (measured once loaded; estimated before)
+    model: ModelName
+    tier: Placement  # one of TIERS, or "loading" while a swap-in runs
+    footprint_bytes: Bytes = 0  # device memory of the weights (measured once loaded; estimated before)
     # By source tier ("host", "disk"): how long the last swap-in took, to serving (warm-up and group join in).
-    swap_in_ms: dict[str, float] = msgspec.field(default_factory=dict)
+    swap_in_ms: Annotated[dict[Tier, Millis], msgspec.Meta(max_length=len(TIERS))] = msgspec.field(
+        default_factory=dict)
 
 
 class WorkerResidency(Record, frozen=True):
-    worker: str
-    updated_ms: int
-    budget_bytes: int = 0  # device memory for weights; 0: no budget (every model resident)
-    models: list[ModelResidency] = msgspec.field(default_factory=list)
+    """A worker's report. Its fields are held to their ranges when decoded; whether ``updated_ms`` is
+    fresh (``RESIDENCY_FRESH_MS``) or dated ahead of now (``MAX_SKEW_MS``) is the reader's to judge."""
+
+    max_bytes = 65_536  # MAX_MODELS_PER_WORKER entries of ~150 bytes, and room
+
+    worker: WorkerName
+    updated_ms: WallMs
+    budget_bytes: Bytes = 0  # device memory for weights; 0: no budget (every model resident)
+    models: Annotated[list[ModelResidency], msgspec.Meta(max_length=MAX_MODELS_PER_WORKER)] = msgspec.field(
+        default_factory=list)
 
 
 class Demand(Record, frozen=True):
-    model: str
+    max_bytes = 256  # a model name and its key
+
+    model: ModelName
 
 
-__all__ = ["DEMAND_CHANNEL", "RESIDENCY_FRESH_MS", "RESIDENCY_KEY", "TIERS", "Demand", "ModelResidency",
-           "WorkerResidency"]
+__all__ = ["DEMAND_CHANNEL", "MAX_MODELS_PER_WORKER", "RESIDENCY_FRESH_MS", "RESIDENCY_KEY", "TIERS", "Demand",
+           "ModelResidency", "WorkerResidency"]

@@ -11,9 +11,24 @@ monitor (service time for admission) and ``kinfer status`` read it.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-from kinfer.topics.record import Record
+from kinfer.topics.record import (
+    MAX_LABELS,
+    MAX_RATE_RPS,
+    Count,
+    Counts,
+    Millis,
+    ModelName,
+    Rate,
+    Ratio,
+    Record,
+    SmallCount,
+    WallMs,
+    WorkerName,
+)
 
 STATS_TOPIC = "kinfer.stats"
 STATS_KEY_PREFIX = "kinfer:stats:"
@@ -31,40 +46,52 @@ def size_bucket(size: int) -> int:
     return bucket
 
 
+SizeBucket = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+
+
 class BatchStats(Record, frozen=True):
-    model: str
-    worker: str
-    at_ms: int  # wall clock when the batch ended
-    size: int = 0  # inputs in the batch (sequences in a generation step); 0: a record of sheds only
-    requests: int = 0  # requests answered by the batch (sequences admitted, for a generation step)
-    tokens: int = 0  # tokens the batch processed (generated, for a step)
-    compute_ms: float = 0.0  # measured forward pass
-    predicted_ms: float = 0.0  # the service-time model's forecast (0 where there is none)
-    errors: int = 0  # requests the batch failed
-    shed: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> requests refused since the last record
+    """Every field is held to its range when decoded (``Record.unpack``): counts non-negative and
+    below 2**31 (one flush of one worker), times finite within ``MAX_DURATION_MS``, names matching
+    their patterns, at most ``MAX_LABELS`` shed reasons."""
+
+    max_bytes = 4_096  # one record is ~200 bytes
+
+    model: ModelName
+    worker: WorkerName
+    at_ms: WallMs  # wall clock when the batch ended
+    size: SmallCount = 0  # inputs in the batch (sequences in a generation step); 0: a record of sheds only
+    requests: SmallCount = 0  # requests answered by the batch (sequences admitted, for a generation step)
+    tokens: SmallCount = 0  # tokens the batch processed (generated, for a step)
+    compute_ms: Millis = 0.0  # measured forward pass
+    predicted_ms: Millis = 0.0  # the service-time model's forecast (0 where there is none)
+    errors: SmallCount = 0  # requests the batch failed
+    shed: Counts = msgspec.field(default_factory=dict)  # reason -> requests refused since the last record
     step: bool = False  # a generation step (size: sequences in it), not a one-shot batch
     # How many batches (or steps) this record sums: a worker reports per flush, not per batch, one
     # record per model, size bucket, kind and outcome; size, requests, tokens, compute_ms,
     # predicted_ms and errors are then totals over them. Absent in older records: one batch.
-    batches: int = 1
+    batches: SmallCount = 1
 
 
 class ModelStats(Record, frozen=True):
     """One model's recent throughput and service time, over the last one or two windows."""
 
-    model: str
-    window_s: float
-    inputs_rps: float  # inputs served per second
-    batches_rps: float
-    mean_batch: float  # inputs per batch
-    service_ms: float  # mean compute time of a batch
-    service_ms_by_size: dict[int, float]  # size bucket (power of two) -> mean compute ms
-    shed: dict[str, int]  # reason -> requests refused within the window
-    inputs_total: int  # since the telemetry stream began (survives its restarts)
-    updated_ms: int
-    workers: int = 0  # distinct workers that ran batches of it within the window
-    requests_per_batch: float = 0.0  # requests (Kafka records) a batch answers, on average
-    steps_rps: float = 0.0  # generation steps per second
+    max_bytes = 4_096
+
+    model: ModelName
+    window_s: Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]
+    inputs_rps: Rate  # inputs served per second
+    batches_rps: Rate
+    mean_batch: Ratio  # inputs per batch
+    service_ms: Millis  # mean compute time of a batch
+    # size bucket (power of two) -> mean compute ms
+    service_ms_by_size: Annotated[dict[SizeBucket, Millis], msgspec.Meta(max_length=MAX_LABELS)]
+    shed: Counts  # reason -> requests refused within the window
+    inputs_total: Count  # since the telemetry stream began (survives its restarts)
+    updated_ms: WallMs
+    workers: SmallCount = 0  # distinct workers that ran batches of it within the window
+    requests_per_batch: Ratio = 0.0  # requests (Kafka records) a batch answers, on average
+    steps_rps: Rate = 0.0  # generation steps per second
 
     @property
     def capacity_rps(self) -> float:
@@ -74,4 +101,4 @@ class ModelStats(Record, frozen=True):
         A worker shared with other models is counted whole for each of them."""
         if self.service_ms <= 0 or self.workers <= 0:
             return 0.0
-        return self.workers * self.requests_per_batch * 1000.0 / self.service_ms
+        return min(MAX_RATE_RPS, self.workers * self.requests_per_batch * 1000.0 / self.service_ms)

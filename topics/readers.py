@@ -1,0 +1,98 @@
+"""What every long-lived reader loop shares: the count of what it refused, and its own restarts.
+
+A reader (a Redis subscription, a Kafka agent, a poll of Redis keys) handles each message in
+isolation: one it cannot use is counted in ``kinfer_malformed_records_total{reader, reason}`` and
+skipped, and the loop goes on. A reader that fails for any other reason (a bug, a dependency's
+surprise) is restarted by ``Supervised`` with backoff; ``kinfer_reader_up{reader}`` is 0 while it
+waits to restart, and ``Supervised.up`` says so to the process's readiness.
+
+Labels are bounded: ``reader`` is a name from the code, ``reason`` one of ``MalformedRecord``'s
+reasons (size, depth, syntax, schema, memory, tombstone, type, future, capacity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import Counter, Gauge
+
+from kinfer.topics.backoff import Backoff
+from kinfer.topics.errors import MalformedRecord
+
+log = logging.getLogger(__name__)
+
+MALFORMED = Counter(
+    "kinfer_malformed_records_total", "Messages a reader refused and skipped, by reader and reason",
+    ["reader", "reason"],
+)
+READER_UP = Gauge(
+    "kinfer_reader_up", "1 while a long-lived reader loop runs, 0 while it waits to restart after a failure", ["reader"]
+)
+READER_RESTARTS = Counter(
+    "kinfer_reader_restarts_total", "Reader loops restarted after a failure other than a bad message", ["reader"]
+)
+
+
+def refused(reader: str, reason: str | MalformedRecord) -> None:
+    """Count one message ``reader`` skipped (``reason``: a word, or the refusal that says it)."""
+    MALFORMED.labels(reader, reason.reason if isinstance(reason, MalformedRecord) else reason).inc()
+
+
+class Supervised:
+    """Runs ``loop`` until cancelled; restarts it with backoff whenever it raises (or returns).
+
+    The backoff starts again from ``first_s`` once a run has lasted ``max_s``: a loop that fails
+    now and then is restarted quickly, one that fails at once every time no faster than ``max_s``.
+    """
+
+    def __init__(self, reader: str, loop: Callable[[], Awaitable[None]], *, first_s: float = 0.5,
+                 max_s: float = 30.0) -> None:
+        self.reader = reader
+        self.restarts = 0
+        self.last_error: BaseException | None = None
+        self._loop = loop
+        self._backoff = Backoff(first_s, max_s)
+        self._max_s = max_s
+        self._up = False
+
+    @property
+    def up(self) -> bool:
+        """True while the loop runs (False before it starts and while it waits to restart)."""
+        return self._up
+
+    def _set_up(self, up: bool) -> None:
+        self._up = up
+        READER_UP.labels(self.reader).set(1 if up else 0)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Until cancelled, or until ``stop`` is set and the loop has returned."""
+        try:
+            while stop is None or not stop.is_set():
+                started = time.monotonic()
+                self._set_up(True)
+                try:
+                    await self._loop()
+                    if stop is not None and stop.is_set():
+                        return
+                    self.last_error = None
+                    log.warning("reader %s ended: starting it again", self.reader)
+                except Exception as exc:  # anything but cancellation: the loop restarts
+                    self.last_error = exc
+                    log.exception("reader %s failed: starting it again", self.reader)
+                self._set_up(False)
+                self.restarts += 1
+                READER_RESTARTS.labels(self.reader).inc()
+                if time.monotonic() - started >= self._max_s:
+                    self._backoff.reset()
+                delay = self._backoff.next_delay()
+                if stop is None:
+                    await asyncio.sleep(delay)
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), delay)
+        finally:
+            self._set_up(False)
