@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Annotated
-
-import msgspec
 
 from kinfer.topics import DEFAULT_LIMITS, InvalidRequest, Limits, Request, decode_request
 from kinfer.topics.auth import Verifier
-from kinfer.topics.envelope import ModelName, RequestId
 from kinfer.topics.names import Priority
 
 log = logging.getLogger(__name__)
@@ -57,25 +53,3 @@ def read_record(
         log.exception("reading a record of %s failed unexpectedly", model)
         raise InvalidRequest(f"unreadable record ({type(exc).__name__})", "message") from exc
 
-
-class _Cancel(msgspec.Struct, frozen=True):
-    """A note on ``kinfer:cancel``: stop stream ``id`` of ``model`` (``mac`` proves its sender)."""
-
-    id: RequestId
-    model: ModelName
-    mac: Annotated[bytes, msgspec.Meta(max_length=64)] | None = None
-
-
-_cancels = msgspec.msgpack.Decoder(_Cancel)
-MAX_CANCEL_BYTES = 512  # a note is three short fields; anything longer is refused unread
-
-
-def read_cancel(data: bytes) -> tuple[str, str, bytes | None] | None:
-    """(model, request id, mac) of a cancel note, or None for anything that is not one. Never raises."""
-    if len(data) > MAX_CANCEL_BYTES:
-        return None
-    try:
-        note = _cancels.decode(data)
-    except (msgspec.MsgspecError, RecursionError):
-        return None
-    return note.model, note.id, note.mac

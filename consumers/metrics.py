@@ -31,12 +31,6 @@ SHED = Counter(
     ["model", "priority", "reason"],
 )
 DEAD_LETTERS = Counter("kinfer_dead_letters_total", "Records sent to the dead-letter topic", ["model", "field"])
-MALFORMED = Counter(
-    "kinfer_worker_malformed_messages_total", "Side-channel messages dropped unread (cancels, demand notes)",
-    ["reader", "reason"],
-)
-READER_UP = Gauge("kinfer_worker_reader_up", "1 while a side reader runs, 0 while it restarts after a failure",
-                  ["reader"])
 UNDELIVERED = Counter(
     "kinfer_replies_undelivered_total",
     "Replies that reached nobody and were not retried: no subscriber and no fallback topic, or no such reply topic",

@@ -57,12 +57,6 @@ class Observer:
     def dead_letter(self, model: str, field: str) -> None:
         """A record was refused and sent to the dead-letter topic."""
 
-    def malformed(self, reader: str, reason: str) -> None:
-        """A message a side reader (cancels, demand notes) could not use was dropped; the reader goes on."""
-
-    def reader(self, name: str, up: bool) -> None:
-        """A side reader is running, or restarting after a failure."""
-
     def shed(self, model: str, priority: Priority, reason: str) -> None:
         """A request was refused before compute (expired, deadline, codel)."""
 

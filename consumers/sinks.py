@@ -29,12 +29,6 @@ class PrometheusSink(Observer):
     def dead_letter(self, model: str, field: str) -> None:
         self._child(metrics.DEAD_LETTERS, model, field).inc()
 
-    def malformed(self, reader: str, reason: str) -> None:
-        self._child(metrics.MALFORMED, reader, reason).inc()
-
-    def reader(self, name: str, up: bool) -> None:
-        self._child(metrics.READER_UP, name).set(1 if up else 0)
-
     def shed(self, model: str, priority: Priority, reason: str) -> None:
         self._child(metrics.SHED, model, priority.label, reason).inc()
 

@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from kinfer.topics import now_ms
-from kinfer.topics.record import MAX_DURATION_MS, WORKER_PATTERN
+from kinfer.topics.record import MAX_DURATION_MS, WORKER_NAME_PATTERN
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, size_bucket
 
 _COUNT_MAX = 2**31 - 1  # what a record's counts may hold (one flush of one worker)
@@ -52,8 +52,8 @@ class _Sum:
 class StatsReporter:
     def __init__(self, worker: str, max_buffered: int = 10_000, interval_s: float = 0.25,
                  flush_timeout_s: float = 5.0) -> None:
-        if not re.search(WORKER_PATTERN, worker):  # else every record would be refused by its readers
-            raise ValueError(f"worker id {worker!r} must match {WORKER_PATTERN} (letters, digits, '_', '.', ':', '-')")
+        if not re.search(WORKER_NAME_PATTERN, worker):  # else every record would be refused by its readers
+            raise ValueError(f"worker id {worker!r} must be 1-128 letters, digits, '_', '.', ':' or '-'")
         self.worker = worker
         self.interval_s = interval_s
         self.flush_timeout_s = flush_timeout_s  # a missing topic or a slow broker costs records, not the worker

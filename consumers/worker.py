@@ -51,7 +51,7 @@ from redis.exceptions import RedisError
 from kinfer.batcher import BatchPolicy, DeficitRoundRobin, GenPolicy
 from kinfer.batcher.residency import Demand, Move, Residency, ResidencyPolicy, Tier
 from kinfer.consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, build_core
-from kinfer.consumers.intake import read_cancel, read_record
+from kinfer.consumers.intake import read_record
 from kinfer.consumers.observer import Observers
 from kinfer.consumers.offsets import OffsetTracker
 from kinfer.consumers.poison import CAREFUL_RECORDS, DeliveryGuard, Mark, Verdict, mark_text
@@ -75,9 +75,12 @@ from kinfer.topics import (
 from kinfer.topics.admin import group_members, offset_clients, read_offsets_many
 from kinfer.topics.auth import verifier_from_env
 from kinfer.topics.backoff import Backoff
+from kinfer.topics.cancel import CancelNote
 from kinfer.topics.connect import kafka_options
 from kinfer.topics.envelope import salvage_route
 from kinfer.topics.names import CANCEL_CHANNEL, consumer_group, parse_request_topic, request_topics
+from kinfer.topics.readers import Supervised, refused
+from kinfer.topics.record import MAX_DURATION_MS
 from kinfer.topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY, ModelResidency, WorkerResidency
 from kinfer.topics.residency import Demand as DemandNote
 
@@ -334,12 +337,16 @@ class Worker:
                 tg.create_task(self._dispatch_loop())
                 tg.create_task(self._commit_loop())
                 tg.create_task(self.stats.run(producer, self._drained))
-                tg.create_task(self._supervised("report", functools.partial(self._report_loop, redis)))
+                # Side readers: one that fails for an unforeseen reason restarts with backoff, the worker serves on.
+                tg.create_task(Supervised("worker-report", functools.partial(self._report_loop, redis))
+                               .run(self._drained))
                 if any(feed.core.cancellable for feed in self.feeds.values()):
-                    tg.create_task(self._supervised("cancel", functools.partial(self._cancel_loop, redis)))
+                    tg.create_task(Supervised("worker-cancel", functools.partial(self._cancel_loop, redis))
+                                   .run(self._drained))
                 if self.residency is not None:
                     tg.create_task(self._residency_loop())
-                    tg.create_task(self._supervised("demand", functools.partial(self._demand_loop, redis)))
+                    tg.create_task(Supervised("worker-demand", functools.partial(self._demand_loop, redis))
+                                   .run(self._drained))
         finally:
             for feed in self.feeds.values():
                 await self._stop_consumer(feed)
@@ -435,7 +442,7 @@ class Worker:
         finally:
             feed.loading = False
         took_ms = 1000.0 * (time.monotonic() - started)
-        feed.swap_in_ms[source.name.lower()] = round(took_ms, 1)
+        feed.swap_in_ms[source.name.lower()] = round(min(took_ms, MAX_DURATION_MS), 1)  # what a report may say
         self.observer.swapped_in(feed.name, source.name.lower(), took_ms / 1000.0)
         log.info("%s: warm in %.0f ms from %s", feed.name, took_ms, source.name.lower())
 
@@ -538,27 +545,11 @@ class Worker:
         async for data in self._subscribed(redis, DEMAND_CHANNEL):
             try:
                 model = DemandNote.unpack(data).model
-            except MalformedRecord:
-                self.observer.malformed("demand", "undecodable")
+            except MalformedRecord as exc:
+                refused("worker-demand", exc)
                 continue
             if model in self.feeds and self.feeds[model].tier != Tier.DEVICE:
                 self._demanded[model] = time.monotonic() + hold_s
-
-    async def _supervised(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """A side reader (reports, cancels, demand notes) that fails for an unforeseen reason restarts with
-        backoff instead of ending the worker; its ``kinfer_worker_reader_up`` gauge says 0 meanwhile."""
-        backoff = Backoff()
-        while not self._drained.is_set():
-            self.observer.reader(name, True)
-            try:
-                await loop()
-                return
-            except Exception:
-                self.observer.reader(name, False)
-                delay = backoff.next_delay()
-                log.exception("%s reader failed; restarting in %.1f s", name, delay)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._drained.wait(), delay)
 
     async def _subscribed(self, redis: aioredis.Redis, channel: str) -> AsyncIterator[bytes]:
         """Messages on ``channel`` until the worker has drained; through Redis outages (it resubscribes:
@@ -869,13 +860,13 @@ class Worker:
     async def _cancel_loop(self, redis: aioredis.Redis) -> None:
         """Streams whose client went away: free their slot at the next step (best effort)."""
         async for data in self._subscribed(redis, CANCEL_CHANNEL):
-            note = read_cancel(data)
-            if note is None:
-                self.observer.malformed("cancel", "undecodable")
+            try:
+                note = CancelNote.unpack(data)
+            except MalformedRecord as exc:
+                refused("worker-cancel", exc)
                 continue
-            model, rid, mac = note
-            feed = self.feeds.get(model)
-            if feed is not None and feed.core.cancel(rid, mac):
+            feed = self.feeds.get(note.model)
+            if feed is not None and feed.core.cancel(note.id, note.mac):
                 self._wake.set()
 
     async def _commit_loop(self) -> None:

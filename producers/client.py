@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
-import msgpack
 import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
@@ -57,6 +56,7 @@ from kinfer.topics import (
     pack,
 )
 from kinfer.topics.auth import Signer, cancel_mac, signer_from_env
+from kinfer.topics.cancel import CancelNote
 from kinfer.topics.connect import KafkaAuth
 from kinfer.topics.health import HealthState
 from kinfer.topics.names import CANCEL_CHANNEL, DEFAULT_REPLY_TOPIC, redis_reply_channel, request_topic, served_models
@@ -451,7 +451,7 @@ class Client:
     async def _cancel(self, model: str, request_id: str) -> None:
         with contextlib.suppress(RedisError, OSError):
             mac = cancel_mac(self._replies.key, request_id)  # only the sender of a request may cancel it
-            await self._redis.publish(CANCEL_CHANNEL, msgpack.packb({"id": request_id, "model": model, "mac": mac}))
+            await self._redis.publish(CANCEL_CHANNEL, CancelNote(request_id, model, mac).pack())
 
     async def models(self) -> list[str]:
         """Models with request topics on the broker (what a worker could serve)."""

@@ -33,7 +33,7 @@ from typing import Annotated
 import msgspec
 
 from kinfer.topics.errors import InvalidRequest
-from kinfer.topics.names import TENANT_PATTERN, Priority
+from kinfer.topics.names import TENANT_PATTERN, Priority, exact
 
 SIG_HEADER = "kinfer-sig"
 KID_HEADER = "kinfer-kid"
@@ -167,7 +167,7 @@ class TenantRule:
 class _TenantEntry(msgspec.Struct, frozen=True):
     """What a worker reads of one entry of the tenants file (the gateway reads more of it)."""
 
-    name: Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]
+    name: Annotated[str, msgspec.Meta(pattern=exact(TENANT_PATTERN))]
     max_priority: Annotated[int, msgspec.Meta(ge=0, le=2)] | Annotated[str, msgspec.Meta(pattern=r"^[pP][0-2]$")] = 0
     key_version: Annotated[int, msgspec.Meta(ge=1, lt=2**31)] = 1
 

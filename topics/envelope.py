@@ -29,16 +29,18 @@ from kinfer.topics.names import (
     REDIS_ROUTE_PATTERN,
     TENANT_PATTERN,
     Priority,
+    exact,
 )
 
 ENVELOPE_VERSION: Final = 1
 
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
-RequestId = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
-ModelName = Annotated[str, msgspec.Meta(pattern=MODEL_PATTERN)]
-RedisRoute = Annotated[str, msgspec.Meta(pattern=REDIS_ROUTE_PATTERN)]  # kinfer:reply:...
-KafkaRoute = Annotated[str, msgspec.Meta(pattern=KAFKA_ROUTE_PATTERN)]  # replies....
+RequestId = Annotated[str, msgspec.Meta(pattern=exact(ID_PATTERN))]
+ModelName = Annotated[str, msgspec.Meta(pattern=exact(MODEL_PATTERN))]
+TenantName = Annotated[str, msgspec.Meta(pattern=exact(TENANT_PATTERN))]
+RedisRoute = Annotated[str, msgspec.Meta(pattern=exact(REDIS_ROUTE_PATTERN))]  # kinfer:reply:...
+KafkaRoute = Annotated[str, msgspec.Meta(pattern=exact(KAFKA_ROUTE_PATTERN))]  # replies....
 # Wall-clock milliseconds since the epoch: positive, and exact in a float64 (any JSON reader's number).
 EpochMs = Annotated[int, msgspec.Meta(gt=0, lt=2**53)]
 Version = Literal[1]  # a reader of version 1 refuses any other (a missing ``v`` reads as 1)
@@ -136,7 +138,7 @@ class Request(msgspec.Struct, frozen=True, tag="req", tag_field="t"):
     id: RequestId  # unique per request; the correlation key and the idempotency key
     model: ModelName  # served model name
     priority: Priority  # p0 interactive .. p2 batch
-    tenant: Annotated[str, msgspec.Meta(pattern=TENANT_PATTERN)]  # who asked; quotas and metrics are per tenant
+    tenant: TenantName  # who asked; quotas and metrics are per tenant
     created_ms: EpochMs  # wall-clock ms when the client created it
     deadline_ms: EpochMs  # wall-clock ms after which a result is useless
     inputs: tuple[str, ...]  # texts to run; each yields one output (empty for a chat)

@@ -29,7 +29,18 @@ TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # who is asking: quotas, metrics and
 # most 128 characters (a Kafka topic name has no ':').
 REDIS_ROUTE_PATTERN = r"^kinfer:reply:[A-Za-z0-9_.:-]{1,115}$"
 KAFKA_ROUTE_PATTERN = r"^replies\.[A-Za-z0-9_.-]{1,120}$"
-_MODEL_RE = re.compile(MODEL_PATTERN)
+# A worker's id (hostname-pid, or an instance id): in replies, residency reports and statistics.
+WORKER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+
+
+def exact(pattern: str) -> str:
+    """``pattern`` for Python's ``re`` (msgspec's constraints): ``$`` there also matches before a final
+    newline, so ``"minilm\\n"`` would pass; ``\\Z`` does not. The ``$`` form stays for JSON Schema and
+    pydantic, whose engines lack ``\\Z`` and whose ``$`` is exact."""
+    return pattern.removesuffix("$") + r"\Z"
+
+
+_MODEL_RE = re.compile(exact(MODEL_PATTERN))
 
 
 class Priority(enum.IntEnum):

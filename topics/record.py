@@ -21,7 +21,7 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import msgspec
 
 from kinfer.topics.errors import MalformedRecord
-from kinfer.topics.names import MODEL_PATTERN, ROUTE_PATTERN
+from kinfer.topics.names import MODEL_PATTERN, WORKER_PATTERN, exact
 
 R = TypeVar("R", bound="Record")
 
@@ -41,12 +41,12 @@ MAX_LABEL_CHARS = 32  # a short word that keys a dict (shed reason, tier)
 MAX_LABELS = 16  # entries of such a dict
 
 # ``$`` also matches before a trailing newline; a record's names end where the string ends.
-MODEL_NAME_PATTERN = MODEL_PATTERN.removesuffix("$") + r"\Z"
-WORKER_PATTERN = ROUTE_PATTERN.removesuffix("$") + r"\Z"  # a worker id: hostname-pid, or an instance id
+MODEL_NAME_PATTERN = exact(MODEL_PATTERN)
+WORKER_NAME_PATTERN = exact(WORKER_PATTERN)  # a worker id: hostname-pid, or an instance id
 LABEL_PATTERN = r"^[a-z][a-z0-9_-]{0,31}\Z"
 
 ModelName = Annotated[str, msgspec.Meta(pattern=MODEL_NAME_PATTERN)]
-WorkerName = Annotated[str, msgspec.Meta(pattern=WORKER_PATTERN)]
+WorkerName = Annotated[str, msgspec.Meta(pattern=WORKER_NAME_PATTERN)]
 Label = Annotated[str, msgspec.Meta(pattern=LABEL_PATTERN)]
 Millis = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_DURATION_MS)]  # finite: NaN and inf are refused
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RATE_RPS)]

@@ -15,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kinfer.consumers.intake import MAX_CANCEL_BYTES, read_cancel, read_record
+from kinfer.consumers.intake import read_record
 from kinfer.topics import InvalidRequest, Limits, Priority, ReplyRoute, Request, pack
 from kinfer.topics.auth import TenantRule, Verifier, new_secret, parse_secrets
+from kinfer.topics.cancel import CancelNote
 from kinfer.topics.envelope import salvage_route
+from kinfer.topics.errors import MalformedRecord
 
 MODEL = "minilm"
 FUZZ = settings(max_examples=300, derandomize=True, deadline=None,
@@ -170,6 +172,14 @@ def test_any_headers_are_refused_or_read(found: list[tuple[str, bytes | None]]) 
     assert isinstance(got, InvalidRequest) and got.field == "signature"
 
 
+def read_cancel(data: bytes) -> tuple[str, str, bytes | None] | None:
+    try:
+        note = CancelNote.unpack(data)
+    except MalformedRecord:
+        return None
+    return note.model, note.id, note.mac
+
+
 @FUZZ
 @given(st.binary(max_size=600) | values.map(msgpack.packb))
 def test_cancel_notes_are_read_or_dropped(data: bytes) -> None:
@@ -180,7 +190,8 @@ def test_cancel_notes_are_read_or_dropped(data: bytes) -> None:
 def test_cancel_notes_are_bounded_before_they_are_read() -> None:
     good = msgpack.packb({"id": "r-1", "model": MODEL, "mac": b"m" * 32})
     assert read_cancel(good) == (MODEL, "r-1", b"m" * 32)
-    assert read_cancel(msgpack.packb({"id": "r-1", "model": MODEL})) == (MODEL, "r-1", None)
+    assert read_cancel(CancelNote("r-1", MODEL).pack()) == (MODEL, "r-1", None)
     assert read_cancel(b"\xdd" + (30_000_000).to_bytes(4, "big") + b"\xc0" * 1_000) is None  # a 30 M array header
-    assert read_cancel(msgpack.packb({"id": "r-1", "model": MODEL, "pad": "x" * MAX_CANCEL_BYTES})) is None
+    assert read_cancel(msgpack.packb({"id": "r-1", "model": MODEL, "pad": "x" * CancelNote.max_bytes})) is None
     assert read_cancel(nested(100_000)) is None
+    assert read_cancel(msgpack.packb({"id": "r-1\n", "model": MODEL})) is None
