@@ -28,3 +28,16 @@ IGNORED_HEALTH = Counter(
     "kinfer_client_health_ignored_total", "Health states ignored, by reason (future: beyond the clock-skew bound)",
     ["reason"],
 )
+REPLIES_REFUSED = Counter(
+    "kinfer_client_replies_refused_total",
+    "Reply messages a reader dropped, by reader (redis, kafka) and reason (oversize, malformed, unsealed, "
+    "unopened, error); other clients' replies on a shared topic are not counted",
+    ["reader", "reason"],
+)
+REPLY_READER_RESTARTS = Counter(
+    "kinfer_client_reply_reader_restarts_total", "Reply readers restarted after a failure", ["reader"]
+)
+LEGACY_SEALED_REPLIES = Counter(
+    "kinfer_client_legacy_sealed_replies_total",
+    "Replies taken under the older, unencrypted seal (from a worker not upgraded yet)",
+)
