@@ -226,7 +226,8 @@ class Client:
 
     @property
     def unknown_replies(self) -> int:
-        """Replies for request ids this client never sent (misrouted or forged), dropped."""
+        """Replies for request ids this client never sent, and other clients' sealed replies on a shared
+        reply topic (not ours to open), dropped."""
         return self._replies.unknown
 
     @property

@@ -22,7 +22,8 @@ GATEWAY_ERRORS = Counter(
     "kinfer_gateway_errors_total", "Error answers by HTTP status and error type", ["status", "type"]
 )
 FORGED_REPLIES = Counter(
-    "kinfer_client_forged_replies_total", "Replies to this process's requests not sealed with its key (dropped)"
+    "kinfer_client_forged_replies_total",
+    "Messages on this process's own reply channel not sealed with its key (dropped)",
 )
 IGNORED_HEALTH = Counter(
     "kinfer_client_health_ignored_total", "Health states ignored, by reason (future: beyond the clock-skew bound)",
