@@ -8,14 +8,18 @@ import asyncio
 import os
 from collections.abc import Callable
 
+import httpx
 import msgpack
 import pytest
 import redis.asyncio as aioredis
+import uvicorn
 from aiokafka import AIOKafkaProducer
+from prometheus_client import REGISTRY
 
 from kinfer.ops.procs import wait_until_served
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.stack import StackInfo, free_port
 from kinfer.producers import Client
+from kinfer.producers.gateway import GatewaySettings, create_app
 from kinfer.topics import Result, Status, seal
 from kinfer.topics.names import DEFAULT_REPLY_TOPIC
 from tests.integration.conftest import WorkerProcess
@@ -99,3 +103,42 @@ async def test_hostile_replies_on_both_routes_leave_the_readers_serving(
         await producer.stop()
         await by_kafka.close()
         await by_redis.close()
+
+
+async def test_the_gateway_answers_and_stays_ready_through_hostile_replies(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    spawn_worker(topics, "--family", "noop")
+    async with Client(stack.bootstrap, stack.redis_url, tenant="tests") as probe:
+        await wait_until_served(probe, topics)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(GatewaySettings(stack.bootstrap, stack.redis_url, None)),
+                                          host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
+            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http, \
+                aioredis.Redis.from_url(stack.redis_url) as r:
+            # What an attacker on an open Redis does: find the gateways' reply channels, flood them.
+            channels = [c.decode() for c in await r.pubsub_channels("kinfer:reply:gateway:*")]
+            assert channels
+            labels = {"reader": "redis", "reason": "malformed"}
+            before = REGISTRY.get_sample_value("kinfer_client_replies_refused_total", labels) or 0.0
+            for _ in range(3):
+                for data, _ in HOSTILE.values():
+                    for channel in channels:
+                        await r.publish(channel, data)
+            for i in range(5):
+                got = await http.post(f"/v1/models/{topics}/infer", json={"inputs": ["x" * i]})
+                assert got.status_code == 200 and got.json()["outputs"] == [i], got.text
+            ready = await http.get("/readyz")
+            assert ready.status_code == 200 and ready.json()["replies"], ready.text
+            # The gateway runs in this process: its reader counted every malformed message it was sent.
+            malformed = sum(reason == "malformed" for _, reason in HOSTILE.values())
+            after = REGISTRY.get_sample_value("kinfer_client_replies_refused_total", labels) or 0.0
+            assert after - before >= 3 * malformed
+            assert 'reason="malformed"' in (await http.get("/metrics")).text
+    finally:
+        server.should_exit = True
+        await task
