@@ -14,6 +14,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from kinfer.topics import Reply, ReplyBatch, ReplyRoute, Unavailable, pack, seal
+from kinfer.topics.auth import reply_record_key
 from kinfer.topics.names import DLQ_TOPIC
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,16 @@ class Delivery(NamedTuple):
     route: ReplyRoute
     message: Reply
     batchable: bool = False  # the request reads ``batch`` messages (``batch_reply``)
-    key: bytes | None = None  # the request's reply key: the message goes out sealed with it
+    key: bytes | None = None  # the request's reply key: the message goes out sealed (encrypted) with it
 
     def pack(self) -> bytes:
         return pack(self.message) if self.key is None else seal(self.message, self.key)
+
+    def record_key(self) -> bytes:
+        """Its Kafka record key: the request id, or for a sealed reply a keyed hash of it (the same for
+        every reply to the request, so they share a partition, and nothing a reader of the topic can use)."""
+        rid = self.message.id
+        return rid.encode() if self.key is None else reply_record_key(self.key, rid)
 
 
 class ReplySink:
@@ -124,7 +131,7 @@ class ReplySink:
         to_kafka = routable
         if to_kafka:
             try:
-                futures = [await self._producer.send(topic, out.pack(), key=out.message.id.encode())
+                futures = [await self._producer.send(topic, out.pack(), key=out.record_key())
                            for topic, out in to_kafka]
                 await asyncio.gather(*futures)
             except KafkaError as exc:

@@ -202,8 +202,13 @@ class Client:
 
     @property
     def forged_replies(self) -> int:
-        """Replies to this client's requests not sealed with its key: forged, dropped."""
+        """Messages on this client's own Redis channel not sealed with its key: forged, dropped."""
         return self._replies.forged
+
+    @property
+    def refused_replies(self) -> dict[tuple[str, str], int]:
+        """Messages the reply readers dropped, by (reader, reason): see ``topics.envelope.ReplyRefused``."""
+        return dict(self._replies.refused)
 
     @property
     def redis_healthy(self) -> bool:
@@ -221,7 +226,8 @@ class Client:
 
     @property
     def unknown_replies(self) -> int:
-        """Replies for request ids this client never sent (misrouted or forged), dropped."""
+        """Replies for request ids this client never sent, and other clients' sealed replies on a shared
+        reply topic (not ours to open), dropped."""
         return self._replies.unknown
 
     @property

@@ -22,9 +22,23 @@ GATEWAY_ERRORS = Counter(
     "kinfer_gateway_errors_total", "Error answers by HTTP status and error type", ["status", "type"]
 )
 FORGED_REPLIES = Counter(
-    "kinfer_client_forged_replies_total", "Replies to this process's requests not sealed with its key (dropped)"
+    "kinfer_client_forged_replies_total",
+    "Messages on this process's own reply channel not sealed with its key (dropped)",
 )
 IGNORED_HEALTH = Counter(
     "kinfer_client_health_ignored_total", "Health states ignored, by reason (future: beyond the clock-skew bound)",
     ["reason"],
+)
+REPLIES_REFUSED = Counter(
+    "kinfer_client_replies_refused_total",
+    "Reply messages a reader dropped, by reader (redis, kafka) and reason (oversize, malformed, unsealed, "
+    "unopened, error); other clients' replies on a shared topic are not counted",
+    ["reader", "reason"],
+)
+REPLY_READER_RESTARTS = Counter(
+    "kinfer_client_reply_reader_restarts_total", "Reply readers restarted after a failure", ["reader"]
+)
+LEGACY_SEALED_REPLIES = Counter(
+    "kinfer_client_legacy_sealed_replies_total",
+    "Replies taken under the older, unencrypted seal (from a worker not upgraded yet)",
 )

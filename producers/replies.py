@@ -1,12 +1,20 @@
-"""Reply correlation: one Redis pub/sub subscription per client, futures keyed by request id."""
+"""Reply correlation: one Redis pub/sub subscription per client, futures keyed by request id.
+
+Every reply reader survives any single message: each one is opened by ``decode_replies`` (total:
+replies or ``ReplyRefused``) inside its own ``try``, and what it refuses is counted by reader and
+reason (``kinfer_client_replies_refused_total``). A reader that fails for any other reason restarts
+with backoff (``kinfer_client_reply_reader_restarts_total``), and ``ReplyMux.reading`` is False while
+it is down, which the gateway's ``/readyz`` reports.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
-from collections.abc import Coroutine
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -16,10 +24,11 @@ from redis.exceptions import RedisError
 
 from kinfer.producers import metrics
 from kinfer.producers.streams import StreamBuffer
-from kinfer.topics import Chunk, KinferError, MalformedRecord, Reply, ReplyRoute, Result, Unavailable, decode_replies
+from kinfer.topics import Chunk, KinferError, Reply, ReplyRoute, Result, Unavailable, decode_replies
 from kinfer.topics.auth import new_reply_key
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.connect import kafka_options
+from kinfer.topics.envelope import ReplyRefused
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +59,15 @@ class ReplyMux:
     to tell the two kinds of stray reply apart: ``duplicates`` are second copies of an answered
     request (a worker redelivery after a crash); ``late`` are replies to requests whose caller had
     already given up.
+
+    Only replies sealed with this client's key are taken. On its own Redis channel anything else is
+    ``forged`` (only workers may publish there); on a shared reply topic a message that does not open
+    is another client's (``unknown``): it cannot be read, and cannot be told from a forgery.
     """
 
     RECENT = 50_000  # finished request ids remembered for the counters above
+    RESTART_FIRST_S = 0.1  # a failed reader restarts after this, doubling up to RESTART_MAX_S
+    RESTART_MAX_S = 5.0
 
     def __init__(self, redis: aioredis.Redis, channel: str, reply_topic: str | None = None,
                  bootstrap: str | None = None, prefer_kafka: bool = False) -> None:
@@ -61,9 +76,12 @@ class ReplyMux:
         self.reply_topic = reply_topic
         self.duplicates = 0
         self.late = 0
-        self.unknown = 0  # replies for ids this client never sent (misrouted, or forged)
-        self.malformed = 0  # replies that did not decode (dropped)
-        self.forged = 0  # replies for our requests not sealed with our key (dropped)
+        self.unknown = 0  # replies for ids this client never sent, and other clients' on a shared topic
+        self.malformed = 0  # messages that are not replies (dropped)
+        self.forged = 0  # messages on our own channel not sealed with our key (dropped)
+        self.legacy = 0  # replies under the older HMAC seal (taken: a worker not upgraded yet)
+        self.refused: Counter[tuple[str, str]] = Counter()  # (reader, reason) -> messages dropped
+        self.restarts: Counter[str] = Counter()  # reader -> restarts after a failure
         self.key = new_reply_key()  # our requests carry it; workers seal our replies with it
         self.redis_healthy = False
         self.received = {"redis": 0, "kafka": 0}  # replies read from each source
@@ -75,18 +93,19 @@ class ReplyMux:
         self._streams: dict[str, StreamBuffer] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._kafka: AIOKafkaConsumer | None = None
-        self._failure: BaseException | None = None
+        self._down: dict[str, BaseException] = {}  # reader -> why it is not running now
 
     @property
     def reading(self) -> bool:
-        """Every reply reader runs (a reader that died makes every call fail ``Unavailable``)."""
-        return self._failure is None
+        """Every reply reader runs now (False while one waits to restart after a failure)."""
+        return not self._down
 
     def route(self) -> ReplyRoute:
         """Where the next request should ask for its reply."""
-        if self.redis_healthy and not (self.prefer_kafka and self._kafka is not None):
+        kafka = self._kafka is not None and "kafka" not in self._down
+        if self.redis_healthy and not (self.prefer_kafka and kafka):
             return ReplyRoute.channel(self.channel, self.reply_topic if self._kafka else None)
-        if self._kafka is not None and self.reply_topic is not None:
+        if kafka and self.reply_topic is not None:
             return ReplyRoute.topic(self.reply_topic)
         raise Unavailable("no reply route: Redis is unreachable and there is no reply topic")
 
@@ -100,7 +119,7 @@ class ReplyMux:
             if self._kafka is None:
                 raise
             log.warning("Redis unreachable at start; replies come over %s until it is back", self.reply_topic)
-        self._spawn(self._read_redis(), "redis")
+        self._spawn(self._read_redis, "redis")
 
     async def _start_kafka(self, topic: str, partitions: set[int], bootstrap: str) -> None:
         consumer = AIOKafkaConsumer(**kafka_options(bootstrap), enable_auto_commit=False)
@@ -114,7 +133,7 @@ class ReplyMux:
             await consumer.stop()
             raise Unavailable(f"reply topic {topic} unavailable: {exc}") from exc
         self._kafka = consumer
-        self._spawn(self._read_kafka(consumer), "kafka")
+        self._spawn(lambda: self._read_kafka(consumer), "kafka")
 
     async def _subscribe(self) -> None:
         try:
@@ -127,10 +146,30 @@ class ReplyMux:
             raise Unavailable(f"Redis subscription to {self.channel} failed: {exc}") from exc
         self.redis_healthy = True
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=f"kinfer-replies-{name}-{self.channel}")
+    def _spawn(self, reader: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        task = asyncio.create_task(self._supervise(reader, name), name=f"kinfer-replies-{name}-{self.channel}")
         task.add_done_callback(self._reader_done)
         self._tasks.append(task)
+
+    async def _supervise(self, reader: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        """Run ``reader`` for as long as the client lives: one that fails (it handles its own Kafka
+        and Redis errors, and each message in its own ``try``, so this is a bug or the unforeseen)
+        is started again after a backoff, and counted; readiness says so meanwhile."""
+        backoff = Backoff(self.RESTART_FIRST_S, self.RESTART_MAX_S)
+        while True:
+            started = time.monotonic()
+            self._down.pop(name, None)
+            try:
+                await reader()
+                raise RuntimeError("the reader returned")
+            except Exception as exc:
+                self._down[name] = exc
+                self.restarts[name] += 1
+                metrics.REPLY_READER_RESTARTS.labels(name).inc()
+                log.exception("reply reader %s on %s failed; restarting it", name, self.channel)
+            if time.monotonic() - started > 60.0:  # it had run a good while: not a crash loop
+                backoff.reset()
+            await asyncio.sleep(backoff.next_delay())
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -143,16 +182,12 @@ class ReplyMux:
 
     def expect(self, request_id: str) -> asyncio.Future[Result]:
         """Register interest before publishing the request (a fast reply must find its waiter)."""
-        if self._failure is not None:
-            raise Unavailable(f"reply channel is down: {self._failure}") from self._failure
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = fut
         return fut
 
     def open_stream(self, request_id: str) -> StreamBuffer:
         """Register a streaming request before publishing it."""
-        if self._failure is not None:
-            raise Unavailable(f"reply channel is down: {self._failure}") from self._failure
         buffer = self._streams[request_id] = StreamBuffer()
         return buffer
 
@@ -175,24 +210,32 @@ class ReplyMux:
 
     async def _read_redis(self) -> None:
         backoff = Backoff(0.1)
-        while True:
-            try:
-                if not self.redis_healthy:
-                    await self._subscribe()
-                    log.info("Redis is back: replies on %s again", self.channel)
-                    backoff.reset()
-                msg = await self._pubsub.get_message(timeout=None)  # blocks until a message (or an error)
-            except (RedisError, OSError, Unavailable) as exc:
-                if self.redis_healthy:
-                    log.warning("Redis reply channel lost (%s); falling back to %s", exc, self.reply_topic)
-                self.redis_healthy = False
-                with contextlib.suppress(RedisError, OSError):
-                    await self._pubsub.aclose()  # type: ignore[no-untyped-call]
-                self._pubsub = self._redis.pubsub(ignore_subscribe_messages=False)
-                await asyncio.sleep(backoff.next_delay())
-                continue
-            if msg is not None and msg["type"] == "message":
-                self._receive(msg["data"], "redis")
+        try:
+            while True:
+                try:
+                    if not self.redis_healthy:
+                        await self._subscribe()
+                        log.info("Redis is back: replies on %s again", self.channel)
+                        backoff.reset()
+                    msg = await self._pubsub.get_message(timeout=None)  # blocks until a message (or an error)
+                except (RedisError, OSError, Unavailable) as exc:
+                    if self.redis_healthy:
+                        log.warning("Redis reply channel lost (%s); falling back to %s", exc, self.reply_topic)
+                    await self._resubscribe_later()
+                    await asyncio.sleep(backoff.next_delay())
+                    continue
+                if msg is not None and msg.get("type") == "message":
+                    self._receive(msg.get("data"), "redis")
+        except Exception:
+            await self._resubscribe_later()  # the subscription this run had is not trusted again
+            raise
+
+    async def _resubscribe_later(self) -> None:
+        """Drop the subscription (requests go by the topic meanwhile); the reader subscribes anew."""
+        self.redis_healthy = False
+        with contextlib.suppress(RedisError, OSError):
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        self._pubsub = self._redis.pubsub(ignore_subscribe_messages=False)
 
     async def _read_kafka(self, consumer: AIOKafkaConsumer) -> None:
         backoff = Backoff()
@@ -206,29 +249,59 @@ class ReplyMux:
                 continue
             for records in batches.values():
                 for record in records:
-                    if record.value is not None:
-                        self._receive(record.value, "kafka")
+                    self._receive(record.value, "kafka")
 
-    def _receive(self, data: bytes, source: str) -> None:
+    def _receive(self, data: object, source: str) -> None:
+        """Take one message from ``source``; never raises (a reader goes on whatever it was)."""
         try:
-            replies, authentic = decode_replies(data, self.key)
-        except MalformedRecord as exc:
-            self.malformed += 1
-            log.warning("dropping an unreadable reply: %s", exc)
+            if not isinstance(data, bytes):  # a tombstone, or not what a reply channel carries
+                raise ReplyRefused(f"a {type(data).__name__}, not bytes", "malformed")
+            replies, seal = decode_replies(data, self.key)
+        except ReplyRefused as exc:
+            self._refused(exc, source)
             return
-        if not authentic:  # not sealed with our key: another client's (a shared topic), or forged
-            for reply in replies:
-                if reply.id in self._waiters or reply.id in self._streams:
-                    self.forged += 1
-                    metrics.FORGED_REPLIES.inc()
-                    log.warning("dropping a reply to %s not sealed with this client's key (forged?)", reply.id)
-                else:
-                    self.unknown += 1
+        except Exception:  # a bug, not the message: it must not stop the reader either
+            if self._count(source, "error"):
+                log.exception("a reply from %s could not be read", source)
             return
+        if seal == 1:
+            self._legacy()
         for reply in replies:
-            if reply.id in self._waiters or reply.id in self._streams:
-                self.received[source] += 1
-            self._deliver(reply)
+            try:
+                if reply.id in self._waiters or reply.id in self._streams:
+                    self.received[source] += 1
+                self._deliver(reply)
+            except Exception:
+                if self._count(source, "error"):
+                    log.exception("a reply to %s from %s could not be delivered", reply.id, source)
+
+    def _refused(self, exc: ReplyRefused, source: str) -> None:
+        reason = exc.reason
+        if source == "kafka" and reason in ("unsealed", "unopened"):
+            self.unknown += 1  # another client's reply on the shared topic: the normal case there
+            return
+        if reason in ("unsealed", "unopened"):
+            self.forged += 1
+            metrics.FORGED_REPLIES.inc()
+        else:
+            self.malformed += 1
+        if self._count(source, reason):
+            log.warning("dropping a message on %s: %s", source, exc)
+
+    def _count(self, source: str, reason: str) -> bool:
+        """Count a dropped message; True when it is worth a log line (the 1st, 2nd, 4th, 8th, ... of
+        its kind: a flood of garbage costs counters, not a log line each)."""
+        self.refused[source, reason] += 1
+        metrics.REPLIES_REFUSED.labels(source, reason).inc()
+        n = self.refused[source, reason]
+        return n & (n - 1) == 0
+
+    def _legacy(self) -> None:
+        if not self.legacy:
+            log.warning("a reply came under the older, unencrypted seal: a worker is not upgraded "
+                        "(its replies can be read by anyone who reads the reply topic)")
+        self.legacy += 1
+        metrics.LEGACY_SEALED_REPLIES.inc()
 
     def _deliver(self, reply: Reply) -> None:
         stream = self._streams.get(reply.id)
@@ -255,13 +328,14 @@ class ReplyMux:
             self.late += 1
 
     def _reader_done(self, task: asyncio.Task[None]) -> None:
+        """A supervisor ends only when cancelled (``close``); anything else (a ``BaseException``
+        it does not restart on) leaves the client not ready, and its callers told at once."""
         if task.cancelled():
             return
         exc = task.exception()
         if exc is not None:
-            # A dead reader must not leave callers waiting for their timeouts: fail them now.
-            log.error("reply reader on %s died: %r", self.channel, exc)
-            self._failure = exc
+            log.error("reply reader on %s stopped: %r", self.channel, exc)
+            self._down[task.get_name()] = exc
             self._fail_all(Unavailable(f"reply channel {self.channel} failed: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:

@@ -16,12 +16,12 @@ import re
 import time
 from dataclasses import dataclass
 from itertools import count
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, NamedTuple, TypeVar
 
 import msgpack
 import msgspec
 
-from kinfer.topics.auth import reply_authentic, reply_mac
+from kinfer.topics.auth import open_box, reply_authentic, seal_box
 from kinfer.topics.errors import DeadlineExceeded, InvalidRequest, KinferError, MalformedRecord, ModelError, Shed
 from kinfer.topics.names import (
     KAFKA_ROUTE_PATTERN,
@@ -174,13 +174,26 @@ _STATUS_ERRORS: dict[Status, type[KinferError]] = {
 }
 
 
+# One output of a model: a scalar, or containers of them at most three deep (an embedding is a list
+# of floats; a classifier's output a map whose ``labels`` is a list of maps). The decoder holds a
+# reply to this shape, so it never follows a structure deeper than a reply can be. To the type
+# checker an output is ``Any``: which of these shapes it has depends on the model.
+if TYPE_CHECKING:
+    Output = Any
+else:
+    _Leaf = str | int | float | bool | None
+    _Output1 = _Leaf | list[_Leaf] | dict[str, _Leaf]
+    _Output2 = _Leaf | list[_Output1] | dict[str, _Output1]
+    Output = _Leaf | list[_Output2] | dict[str, _Output2]
+
+
 class Result(msgspec.Struct, frozen=True, tag="res", tag_field="t"):
     """The terminal reply to one request."""
 
     id: str  # the request's id
     model: str  # the model that answered
     status: Status  # terminal state
-    outputs: list[Any] = []  # one per input when status is OK
+    outputs: list[Output] = []  # one per input when status is OK
     error: str | None = None  # human-readable reason when status is not OK
     timings: Timings = Timings()
     worker: str = ""  # which worker instance answered (for debugging redeliveries)
@@ -247,13 +260,16 @@ class ReplyBatch(msgspec.Struct, frozen=True, tag="batch", tag_field="t"):
     v: Version = ENVELOPE_VERSION
 
 
-class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="t"):
-    """A reply message (result, chunk or batch) packed as ``body``, with ``mac`` = HMAC-SHA256 of the
-    body under the request's ``reply_key`` (sent only to requests that carry one)."""
+SEAL_VERSION: Final = 2
 
-    mac: bytes
-    body: bytes
-    v: Version = ENVELOPE_VERSION
+
+class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="t"):
+    """A reply message (result, chunk or batch), packed, then encrypted and authenticated under the
+    request's ``reply_key`` (sent only to requests that carry one; ``auth.seal_box``)."""
+
+    salt: bytes  # 16 random bytes: the reply's own key is derived from the reply key and this
+    box: bytes  # ChaCha20-Poly1305 ciphertext of the packed message, then its 16-byte tag
+    v: Literal[2] = SEAL_VERSION
 
 
 Reply = Result | Chunk
@@ -405,52 +421,123 @@ def salvage_route(data: bytes, limits: Limits = DEFAULT_LIMITS) -> tuple[str, Re
     return found.id, found.reply, found.reply_key
 
 
-# Results come from our own workers, but a client still bounds what it decodes.
-MAX_REPLY_BYTES = 64 * 1_048_576
+# ---------------------------------------------------------------------------------------------
+# Reading replies: one total function for every reply message a reader takes in.
 
-_replies = msgspec.msgpack.Decoder(Result | Chunk | ReplyBatch | Sealed)
-_unsealed = msgspec.msgpack.Decoder(Result | Chunk | ReplyBatch)
+# A sealed message: nothing inside it is decoded before it opens, so this bounds bytes only (the
+# ciphertext is read in place; what it opens to is no longer).
+MAX_REPLY_BYTES = 64 * 1_048_576
+# A plain message, which nothing authenticates (read only by a reader that holds no key): its
+# structure is decoded as it comes, so it gets a request's bound.
+MAX_PLAIN_REPLY_BYTES = 1_000_000
+
+REFUSALS: Final = ("oversize", "malformed", "unsealed", "unopened")
+
+
+class ReplyRefused(MalformedRecord):
+    """A reply message a reader will not take; ``reason`` (one of ``REFUSALS``) says why:
+
+    ``oversize``   over ``MAX_REPLY_BYTES`` (``MAX_PLAIN_REPLY_BYTES`` for one nothing authenticates)
+    ``malformed``  not a reply message: not msgpack, the wrong shape or types, nested deeper than a
+                   reply can be, a seal of an unknown version; or a seal that opened around one
+    ``unsealed``   a plain reply, to a reader that holds a key (forged, or another client's)
+    ``unopened``   a seal that does not open with the reader's key (another client's reply on a
+                   shared topic; or forged, cut short or changed on its way)
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(f"reply refused ({reason}): {message}", "reply")
+        self.reason = reason
+
+
+class Opened(NamedTuple):
+    """What one reply message held."""
+
+    replies: list[Reply]  # in the order the worker produced them
+    seal: int  # 2: encrypted; 1: the older HMAC seal (still read, never sent); 0: plain (reader without a key)
+
+
+class _Envelope(msgspec.Struct):
+    """A reply message's outer map, read without following anything inside it: a seal's fields are
+    views into the message, and every other key (a plain reply's whole body) is skipped."""
+
+    t: str = ""
+    v: int = 1
+    salt: memoryview | None = None  # seal v2
+    box: memoryview | None = None
+    mac: memoryview | None = None  # seal v1
+    body: memoryview | None = None
+
+
+_envelopes = msgspec.msgpack.Decoder(_Envelope)
+_bodies = msgspec.msgpack.Decoder(Result | Chunk | ReplyBatch)
+_PLAIN_TYPES = frozenset({"res", "chunk", "batch"})
+
+
+def _total(decoder: msgspec.msgpack.Decoder[M], data: bytes | memoryview) -> M:
+    """Decode, or refuse as ``malformed``: no other exception, whatever the bytes (msgspec follows
+    nesting by recursion, so a deep enough message raises ``RecursionError``, caught here too)."""
+    try:
+        return decoder.decode(data)
+    except (msgspec.MsgspecError, RecursionError, MemoryError) as exc:
+        raise ReplyRefused(f"{type(exc).__name__}: {str(exc)[:200]}", "malformed") from exc
 
 
 def seal(message: Result | Chunk | ReplyBatch, reply_key: bytes) -> bytes:
-    """The message packed and sealed with the request's reply key."""
-    body = pack(message)
-    return _encoder.encode(Sealed(reply_mac(reply_key, body), body))
+    """The message packed, then encrypted and authenticated for the holder of ``reply_key``."""
+    salt, box = seal_box(reply_key, pack(message))
+    return _encoder.encode(Sealed(salt, box))
 
 
-def decode_replies(data: bytes, reply_key: bytes | None = None) -> tuple[list[Reply], bool]:
-    """One reply message → (its replies, whether they are authentic).
+def decode_replies(data: bytes, reply_key: bytes | None = None) -> Opened:
+    """One reply message → the replies it holds; total: returns, or raises ``ReplyRefused`` (a
+    ``MalformedRecord``), whatever ``data`` is.
 
-    With ``reply_key``, only a ``sealed`` message whose MAC checks under it is authentic; anything
-    else — unsealed, or sealed under another key — is returned with ``False``, so the caller can
-    tell a forgery aimed at its own requests from another client's reply on a shared topic. Without a
-    key every well-formed message counts as authentic (the caller asked for no seal).
-    Raises ``MalformedRecord`` for anything unreadable: a reply is not a request, and a bad one is our
-    (or a forger's) problem, not the caller's.
+    With ``reply_key`` (kinfer's client always has one) only a seal that opens with it is taken, in
+    this order: the size, the outer map (a seal's fields, read in place; nothing else followed), the
+    seal opened (authenticated and decrypted), and only then its body decoded against the reply
+    types. Another client's reply on a shared topic is ``unopened``: a reader cannot tell it from a
+    forgery, and cannot read it. Without a key (a reader that asked for plain replies), a plain
+    message of at most ``MAX_PLAIN_REPLY_BYTES`` is decoded; a seal cannot be opened.
     """
-    try:
-        message = _decode(_replies, data, MAX_REPLY_BYTES)
-        authentic = reply_key is None
-        if isinstance(message, Sealed):
-            authentic = reply_key is not None and reply_authentic(reply_key, message.body, message.mac)
-            message = _decode(_unsealed, message.body, MAX_REPLY_BYTES)
-    except InvalidRequest as exc:
-        raise MalformedRecord(f"malformed reply: {exc}", "reply") from exc
-    return (message.replies if isinstance(message, ReplyBatch) else [message]), authentic
+    if reply_key is None:
+        if len(data) > MAX_PLAIN_REPLY_BYTES:
+            raise ReplyRefused(f"{len(data)} bytes, over {MAX_PLAIN_REPLY_BYTES} for a plain reply", "oversize")
+        return Opened(_replies_of(_total(_bodies, data)), 0)
+    if len(data) > MAX_REPLY_BYTES:
+        raise ReplyRefused(f"{len(data)} bytes, over {MAX_REPLY_BYTES}", "oversize")
+    envelope = _total(_envelopes, data)
+    if envelope.t != "sealed":
+        reason = "unsealed" if envelope.t in _PLAIN_TYPES else "malformed"
+        raise ReplyRefused(f"a message of type {envelope.t[:16]!r}, not sealed", reason)
+    body: bytes | memoryview | None
+    if envelope.v == SEAL_VERSION and envelope.salt is not None and envelope.box is not None:
+        body = open_box(reply_key, envelope.salt, envelope.box)
+        version = SEAL_VERSION
+    elif envelope.v == 1 and envelope.mac is not None and envelope.body is not None:
+        body = envelope.body if reply_authentic(reply_key, envelope.body, envelope.mac) else None
+        version = 1
+    else:
+        raise ReplyRefused(f"not a seal this reader knows (version {envelope.v})", "malformed")
+    if body is None:
+        raise ReplyRefused("sealed, but not with this reader's key", "unopened")
+    return Opened(_replies_of(_total(_bodies, body)), version)
+
+
+def _replies_of(message: Result | Chunk | ReplyBatch) -> list[Reply]:
+    return message.replies if isinstance(message, ReplyBatch) else [message]
 
 
 def decode_reply(data: bytes, reply_key: bytes | None = None) -> Reply:
-    """Exactly one authentic result or stream chunk."""
-    replies, authentic = decode_replies(data, reply_key)
-    if not authentic:
-        raise MalformedRecord("reply not sealed with this client's key", "reply")
+    """Exactly one result or stream chunk (sealed with ``reply_key``, when given)."""
+    replies = decode_replies(data, reply_key).replies
     if len(replies) != 1:
-        raise MalformedRecord(f"expected one reply, got a batch of {len(replies)}", "reply")
+        raise ReplyRefused(f"expected one reply, got a batch of {len(replies)}", "malformed")
     return replies[0]
 
 
 def decode_result(data: bytes, reply_key: bytes | None = None) -> Result:
     reply = decode_reply(data, reply_key)
     if not isinstance(reply, Result):
-        raise MalformedRecord("expected a result, got a stream chunk", "reply")
+        raise ReplyRefused("expected a result, got a stream chunk", "malformed")
     return reply

@@ -22,6 +22,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from prometheus_client.parser import text_string_to_metric_families
 
+from kinfer.ops.secure import ensure_secure_dir
 from kinfer.ops.stack import LocalStack, StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
@@ -53,7 +54,9 @@ def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo
     ports), shared by the tests that need one; the session's insecure stack is not involved."""
     if os.environ.get("KINFER_BOOTSTRAP") and os.environ.get("KINFER_REDIS_URL"):
         pytest.skip("an external stack was given: no local secure stack is started")
-    local = LocalStack(tmp_path_factory.mktemp("secure-stack"), secure=True)
+    home = tmp_path_factory.mktemp("secure-stack")
+    ensure_secure_dir(home / "secure", {"demo": 1, "rival": 1})  # two tenants: one reads what the other may not
+    local = LocalStack(home, secure=True)
     info, _ = local.up()
     try:
         yield info

@@ -19,21 +19,28 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import redis
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
-from aiokafka.errors import GroupAuthorizationFailedError, KafkaConnectionError, TopicAuthorizationFailedError
+from aiokafka.errors import (
+    GroupAuthorizationFailedError,
+    KafkaConnectionError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+)
 from prometheus_client import REGISTRY
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from kinfer.ops.stack import LocalStack, StackInfo, apply_tenant_acls, tls_closes_settled
+from kinfer.ops.stack import StackInfo, apply_tenant_acls, tls_closes_settled
 from kinfer.producers import Client
 from kinfer.topics import KinferError, Priority, ReplyRoute, Request, Result, Status, decode_result, now_ms, pack, seal
-from kinfer.topics.auth import KID_HEADER, SIG_HEADER, signer_from_env
+from kinfer.topics.auth import KID_HEADER, SIG_HEADER, new_reply_key, signer_from_env
 from kinfer.topics.connect import KafkaAuth, kafka_options
+from kinfer.topics.envelope import ReplyRefused, decode_replies
 from kinfer.topics.health import HEALTH_CHANNEL, HEALTH_TOPIC, HealthState, Level
 from kinfer.topics.names import (
     CANCEL_CHANNEL,
@@ -55,15 +62,10 @@ MODEL = f"sec-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")
-def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
-    local = LocalStack(tmp_path_factory.mktemp("secure-stack"), secure=True)
-    info, _ = local.up()
-    try:
-        asyncio.run(_create_topics(info))
-        asyncio.run(apply_tenant_acls(info, [MODEL]))  # what `kinfer topics --model` does on a secure stack
-        yield info
-    finally:
-        local.down()
+def secure(secure_stack: StackInfo) -> StackInfo:
+    asyncio.run(_create_topics(secure_stack))
+    asyncio.run(apply_tenant_acls(secure_stack, [MODEL]))  # what `kinfer topics --model` does on a secure stack
+    return secure_stack
 
 
 async def _create_topics(info: StackInfo) -> None:
@@ -72,7 +74,9 @@ async def _create_topics(info: StackInfo) -> None:
     try:
         shared = [HEALTH_TOPIC, DEFAULT_REPLY_TOPIC, DLQ_TOPIC, STATS_TOPIC]
         names = [*(request_topic(MODEL, p) for p in range(3)), *shared]
-        await admin.create_topics([NewTopic(name, 1, 1) for name in names])
+        for name in names:  # another module may have created the shared ones on this stack
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics([NewTopic(name, 1, 1)])
     finally:
         await admin.close()
         await tls_closes_settled()  # this loop ends now: let the TLS connections finish closing
@@ -310,3 +314,57 @@ async def test_forged_replies_health_tenants_and_priorities_are_refused(secure: 
         if worker is not None:
             _stop_worker(worker)
         await tls_closes_settled()
+
+
+async def test_another_tenant_reading_the_shared_reply_topic_recovers_no_output(
+    secure: StackInfo, tmp_path: Path
+) -> None:
+    """Tenants may read ``replies.default`` (their clients' durable route): what another tenant's
+    replies carry there is sealed for that tenant's client alone."""
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [{"name": "demo", "key_sha256": "0" * 64, "max_priority": 1},
+                                               {"name": "rival", "key_sha256": "1" * 64, "max_priority": 1}]}))
+    with acting_as(secure, "tenant-demo"):
+        victim = Client(secure.bootstrap, os.environ["KINFER_REDIS_URL"], reply_via="kafka")
+        await victim.start()
+    rival = AIOKafkaConsumer(**_options(secure, "tenant-rival"), enable_auto_commit=False)
+    await rival.start()
+    worker = _start_worker(secure, tenants, tmp_path / "worker.log")
+    try:
+        tps = [TopicPartition(DEFAULT_REPLY_TOPIC, 0)]  # the one partition this module's topic has
+        rival.assign(tps)
+        await rival.seek_to_end()
+        start = {tp: await rival.position(tp) for tp in tps}
+        # The noop model answers each text with its length: lengths nobody else asks for are the outputs.
+        lengths = [12_345 + i for i in range(8)]
+        ids = [f"confidential-{uuid.uuid4().hex[:12]}-{i}" for i in range(len(lengths))]
+        results = await asyncio.gather(*(
+            victim.infer(MODEL, ["s" * n], priority=1, request_id=rid, deadline_ms=120_000)
+            for n, rid in zip(lengths, ids, strict=True)))
+        assert [r.outputs for r in results] == [[n] for n in lengths]
+        assert victim.replies_received["kafka"] == len(lengths)  # every reply came over the shared topic
+
+        records = []
+        while len(records) < len(lengths):
+            batch = await asyncio.wait_for(rival.getmany(timeout_ms=1_000), 30)
+            records += [r for rs in batch.values() for r in rs]
+        assert sum([await rival.position(tp) - start[tp] for tp in tps]) == len(records) == len(lengths)
+        secrets = [rid.encode() for rid in ids] + [MODEL.encode(), b"s" * 64]
+        secrets += [b"\xa7outputs" + pack_output(n) for n in lengths] + [pack_output(n) for n in lengths]
+        for record in records:
+            assert record.value is not None
+            for clear in secrets:
+                assert clear not in record.value and clear not in (record.key or b"")
+            for key in (None, new_reply_key(), b"k" * 16):  # no key, the rival's own, a guess
+                with pytest.raises(ReplyRefused):
+                    decode_replies(record.value, key)
+    finally:
+        _stop_worker(worker)
+        await rival.stop()
+        await victim.close()
+        await tls_closes_settled()
+
+
+def pack_output(n: int) -> bytes:
+    """How the noop model's output ``n`` travels inside a plain result: a one-element array."""
+    return msgpack.packb([n])

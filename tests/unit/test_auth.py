@@ -23,7 +23,7 @@ from kinfer.topics.auth import (
     parse_secrets,
     signer_from_env,
 )
-from kinfer.topics.envelope import ReplyBatch
+from kinfer.topics.envelope import ReplyBatch, ReplyRefused
 
 SECRET = bytes(range(32))
 OLD = bytes(range(32, 64))
@@ -139,23 +139,20 @@ def test_tenant_rules_file(tmp_path: Path) -> None:
 def test_sealed_replies_open_only_with_their_key() -> None:
     key, other = new_reply_key(), new_reply_key()
     result = Result("r1", "m", Status.OK, outputs=[1])
-    replies, authentic = decode_replies(seal(result, key), key)
-    assert authentic and replies == [result]
-    # another client's sealed reply (a shared reply topic), an unsealed one, a tampered one: not ours
-    assert decode_replies(seal(result, other), key)[1] is False
-    assert decode_replies(pack(result), key)[1] is False
-    sealed = bytearray(seal(result, key))
-    body = pack(result)
-    at = bytes(sealed).index(body) + body.index(b"r1") + 1
-    sealed[at] ^= 1  # the id in the body changed: "r0"
-    replies, authentic = decode_replies(bytes(sealed), key)
-    assert replies[0].id == "r0" and not authentic
+    assert decode_replies(seal(result, key), key) == ([result], 2)
+    # another client's sealed reply (a shared reply topic), an unsealed one, a tampered one: refused
+    tampered = bytearray(seal(result, key))
+    tampered[-20] ^= 1  # a bit of the ciphertext
+    for data, reason in ((seal(result, other), "unopened"), (pack(result), "unsealed"),
+                         (bytes(tampered), "unopened")):
+        with pytest.raises(ReplyRefused) as refused:
+            decode_replies(data, key)
+        assert refused.value.reason == reason
     # batches are sealed whole
     batch = ReplyBatch([result, Result("r2", "m", Status.OK)])
-    replies, authentic = decode_replies(seal(batch, key), key)
-    assert authentic and [r.id for r in replies] == ["r1", "r2"]
+    assert [r.id for r in decode_replies(seal(batch, key), key).replies] == ["r1", "r2"]
     # a client that asked for no seal takes plain replies
-    assert decode_replies(pack(result))[1] is True
+    assert decode_replies(pack(result)) == ([result], 0)
 
 
 def test_reply_key_travels_in_the_request_and_is_bounded() -> None:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgpack
+import msgspec
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaConnectionError
 
 from kinfer.consumers.replies import Delivery, ReplySink, ReplyTopics
 from kinfer.producers.replies import ReplyMux
-from kinfer.topics import Chunk, ReplyBatch, ReplyRoute, Result, Status, Unavailable, Usage, decode_replies, pack, seal
+from kinfer.topics import Chunk, ReplyBatch, ReplyRoute, Result, Sealed, Status, Usage, decode_replies, pack, seal
+from kinfer.topics.auth import seal_box
+from kinfer.topics.envelope import ReplyRefused
 
 
 def result(rid: str, output: int = 1) -> Result:
@@ -36,6 +40,11 @@ async def test_a_batch_of_replies_reaches_each_caller_exactly_once() -> None:
         mux.forget(rid)
 
 
+def sealed_bytes(body: bytes, key: bytes) -> bytes:
+    """Any bytes as a sealed body: what only a worker (or a bug in one) could send."""
+    return msgspec.msgpack.encode(Sealed(*seal_box(key, body)))
+
+
 async def test_malformed_replies_are_counted_and_dropped_and_the_reader_lives_on() -> None:
     mux = ReplyMux(aioredis.Redis(), "kinfer:reply:test")
     waiter = mux.expect("r")
@@ -46,8 +55,11 @@ async def test_malformed_replies_are_counted_and_dropped_and_the_reader_lives_on
         msgpack.packb({"v": 1, "t": "batch", "replies": [{"t": "req"}]}),
         msgpack.packb({"v": 2, "t": "res", "id": "r", "model": "m", "status": "ok"}),
     ):
+        mux._receive(sealed_bytes(bad, mux.key), "redis")  # sealed with our key, not a reply inside
         mux._receive(bad, "redis")
-    assert mux.malformed == 5 and not waiter.done()
+    mux._receive(None, "kafka")  # a tombstone
+    assert mux.malformed == 7 and mux.forged == 4 and not waiter.done()
+    assert mux.refused == {("redis", "malformed"): 6, ("redis", "unsealed"): 4, ("kafka", "malformed"): 1}
     mux._receive(seal(result("r"), mux.key), "redis")
     assert waiter.result().ok
     mux.forget("r")
@@ -118,17 +130,34 @@ async def test_replies_to_a_missing_topic_are_counted_undelivered_not_retried() 
     assert undelivered == 1 and producer.sent == ["replies.default"]
 
 
-async def test_a_reader_that_dies_fails_the_waiters_and_readiness_says_so() -> None:
+async def test_a_reader_that_fails_restarts_with_backoff_and_readiness_says_so_meanwhile() -> None:
     mux = ReplyMux(aioredis.Redis(), "kinfer:reply:test")
+    mux.RESTART_FIRST_S = mux.RESTART_MAX_S = 0.2
     waiter = mux.expect("w")
+    runs: list[str] = []
+    down = asyncio.Event()
+    serving = asyncio.Event()
+
+    async def reader() -> None:
+        runs.append("run")
+        if len(runs) == 1:
+            down.set()
+            raise RuntimeError("a bug in a reader")
+        serving.set()
+        await asyncio.Event().wait()  # reads on
+
     assert mux.reading
-
-    async def broken() -> None:
-        raise RuntimeError("a bug in a reader")
-
-    mux._spawn(broken(), "test")
-    await asyncio.sleep(0.01)
-    assert not mux.reading and isinstance(waiter.exception(), Unavailable)
+    mux._spawn(reader, "test")
+    await down.wait()
+    await asyncio.sleep(0)
+    assert not mux.reading and mux.restarts["test"] == 1  # down: readiness says so
+    await asyncio.wait_for(serving.wait(), 5.0)
+    assert mux.reading and len(runs) == 2  # restarted after the backoff, and ready again
+    assert not waiter.done()  # its reply may still come: nobody was failed for it
+    mux._receive(seal(result("w"), mux.key), "redis")
+    assert waiter.result().ok
+    mux.forget("w")
+    await mux.close()
 
 
 class _Pipe:
@@ -166,8 +195,7 @@ async def test_replies_are_sealed_with_each_request_key_and_batched_only_under_o
     opened = []
     for _, data in redis.sent:
         for key in (a, b, None):
-            replies, authentic = decode_replies(data, key)
-            if authentic:
-                opened.append((key, [r.id for r in replies]))
+            with contextlib.suppress(ReplyRefused):
+                opened.append((key, [r.id for r in decode_replies(data, key).replies]))
                 break
     assert sorted(opened, key=str) == sorted([(a, ["1", "3"]), (b, ["2"]), (None, ["4"])], key=str)
