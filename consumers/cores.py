@@ -42,7 +42,7 @@ from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
 from kinfer.consumers.runners.base import BatchRunner, Runner, StepRunner
 from kinfer.consumers.runners.registry import ModelSpec
 from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
-from kinfer.topics import Chunk, InvalidRequest, Request, Result, Status, Timings, Usage
+from kinfer.topics import Chunk, InvalidRequest, ModelError, Request, Result, Status, Timings, Usage
 from kinfer.topics.auth import cancel_mac
 
 
@@ -167,6 +167,20 @@ class EngineCore(abc.ABC):
 
 # -- one-shot families (embedding, classification) ----------------------------------------------
 
+MAX_ERROR_CHARS = 1_000  # of a model error's text in a reply (an exception may print a whole tensor)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
+
+
+@dataclass(frozen=True, slots=True)
+class _Ran:
+    """What a one-shot batch's call gave: per request, its (outputs, tokens) or the exception it met."""
+
+    answers: list[tuple[list[Any], int] | BaseException]
+    split: bool  # the batch failed whole and its requests ran again one by one
+
 
 class BatchCore(EngineCore):
     """Requests wait in a ``DynamicBatcher`` and run in batches; each gets one result."""
@@ -211,43 +225,75 @@ class BatchCore(EngineCore):
         batch = self.batcher.next_batch(now, max_batch_s=max_s)
         if batch is None:
             return Plan(None)
-        texts = [t for job in batch.payloads for t in job.request.inputs]
-        return Plan(Work(partial(self._run, texts), batch.predicted_s, batch))
+        groups = [job.request.inputs for job in batch.payloads]
+        return Plan(Work(partial(self._run, groups), batch.predicted_s, batch))
 
-    def _run(self, texts: list[str]) -> tuple[list[Any], list[int] | None]:
-        """The forward pass (in the executor thread), with each text's token count where the runner
-        counts them (its tokenizer's, for usage) — else None."""
+    def _run(self, groups: list[tuple[str, ...]]) -> _Ran:
+        """The forward pass over every request's inputs (in the executor thread).
+
+        When it raises and the batch holds several requests, each runs once more alone, so an input
+        that breaks the model fails its own request and not its neighbours' (a failure that is not
+        the inputs' fails each of them again, and each gets it).
+        """
+        try:
+            return _Ran(self._answers(groups), split=False)
+        except Exception as exc:
+            if len(groups) == 1:
+                return _Ran([exc], split=False)
+        alone: list[tuple[list[Any], int] | BaseException] = []
+        for group in groups:
+            try:
+                alone += self._answers([group])
+            except Exception as exc:
+                alone.append(exc)
+        return _Ran(alone, split=True)
+
+    def _answers(self, groups: list[tuple[str, ...]]) -> list[tuple[list[Any], int] | BaseException]:
+        """One call for all ``groups``: each request's outputs, and its texts' tokens where the runner
+        counts them (its tokenizer's, for usage), else 0."""
+        texts = [t for g in groups for t in g]
         if self._counted is not None:
             outputs, tokens = self._counted(texts)
-            return outputs, tokens
-        return self._runner.run(texts), None
+        else:
+            outputs, tokens = self._runner.run(texts), None
+        if len(outputs) != len(texts):
+            raise ModelError(f"the model gave {len(outputs)} outputs for {len(texts)} inputs")
+        answers: list[tuple[list[Any], int] | BaseException] = []
+        i = 0
+        for g in groups:
+            answers.append((list(outputs[i : i + len(g)]), sum(tokens[i : i + len(g)]) if tokens is not None else 0))
+            i += len(g)
+        return answers
 
     def complete(self, work: Work, outcome: Outcome) -> list[Outgoing]:
         batch: Batch[Job] = work.state
         jobs = batch.payloads
         took = outcome.took_s
-        error = None if outcome.error is None else f"{type(outcome.error).__name__}: {outcome.error}"
-        if error is None:  # a call that failed at once says nothing about what a batch costs
+        if outcome.error is not None:  # the call itself failed, beyond what ``_run`` answers for
+            answers: list[tuple[list[Any], int] | BaseException] = [outcome.error] * len(jobs)
+            split = False
+        else:
+            ran: _Ran = outcome.value
+            answers, split = ran.answers, ran.split
+        failed = sum(isinstance(a, BaseException) for a in answers)
+        if not failed and not split:  # a call that failed (or ran again split) says nothing about a batch's cost
             self.batcher.observe(batch, took)
         size = batch.size
         self.observer.batch(self.name, BatchFacts(
             size=size, requests=len(jobs), tokens=batch.real_tokens, compute_s=took, predicted_s=batch.predicted_s,
-            padding_ratio=batch.padding_ratio, errors=len(jobs) if error is not None else 0,
+            padding_ratio=batch.padding_ratio, errors=failed,
             waits=[(p.payload.request.priority, outcome.started - p.arrival) for p in batch.items],
         ))
-        outputs, tokens = outcome.value if error is None else ([], None)
-        replies, i = [], 0
+        replies = []
         compute_ms = took * 1000.0
-        for job in jobs:
-            n = len(job.request.inputs)
+        for job, answer in zip(jobs, answers, strict=True):
             timings = Timings(job.queue_ms, (outcome.started - job.fetched) * 1000.0, compute_ms, size)
-            if error is None:
-                result = self._result(job, Status.OK, outputs=outputs[i : i + n], timings=timings,
-                                      tokens=sum(tokens[i : i + n]) if tokens is not None else 0)
+            if isinstance(answer, BaseException):
+                result = self._result(job, Status.ERROR, error=_describe(answer), timings=timings)
             else:
-                result = self._result(job, Status.ERROR, error=error, timings=timings)
+                outputs, tokens = answer
+                result = self._result(job, Status.OK, outputs=outputs, timings=timings, tokens=tokens)
             replies.append(Outgoing(job, result))
-            i += n
         return replies
 
     def revoke(self, partitions: set[Any]) -> int:
@@ -329,7 +375,7 @@ class GenCore(EngineCore):
             return False
         try:
             sampling = Sampling.from_params(request.params)
-        except (TypeError, ValueError) as exc:
+        except ValueError as exc:
             raise InvalidRequest(f"bad sampling parameters: {exc}", "params") from exc
         templated = bool(request.messages)
         if templated:
@@ -337,7 +383,10 @@ class GenCore(EngineCore):
                 prompt, stops = self._runner.render_chat([(m.role, m.content) for m in request.messages])
             except ValueError as exc:
                 raise InvalidRequest(str(exc), "messages") from exc
-            sampling = replace(sampling, stop=sampling.stop + stops)
+            try:
+                sampling = replace(sampling, stop=sampling.stop + stops)
+            except ValueError as exc:  # the template's stops took it past the limit
+                raise InvalidRequest(f"bad sampling parameters: {exc}", "params") from exc
         else:
             prompt = request.inputs[0]
         # An estimate that errs high (WordPiece/BPE average 3-4 characters a token): it only
@@ -374,8 +423,7 @@ class GenCore(EngineCore):
 
     def complete(self, work: Work, outcome: Outcome) -> list[Outgoing]:
         if outcome.error is not None:
-            # The runner's batch is in an unknown state: let the worker die and its requests be redelivered.
-            raise outcome.error
+            return self._failed(outcome)
         events: list[TokenEvent] = outcome.value
         took = outcome.took_s
         self.step_s = took if self.step_s == 0 else self.step_s + 0.2 * (took - self.step_s)
@@ -390,6 +438,31 @@ class GenCore(EngineCore):
         ))
         self._spec_seen = (proposed, accepted)
         replies = self._apply(events, outcome.started, took, len(self.scheduler.running))
+        self._report_batch()
+        return replies
+
+    def _failed(self, outcome: Outcome) -> list[Outgoing]:
+        """A step raised: the runner's batch (KV caches, rows) is in an unknown state, so it starts
+        over empty, and every sequence that was in the step ends with an ``error`` reply naming the
+        failure. Those still waiting were not in it: they run at the next step."""
+        self._runner.reset()
+        self._drops = []  # nothing is left in the runner to drop
+        assert outcome.error is not None
+        error = "generation failed: " + _describe(outcome.error)
+        replies = []
+        for seq in self.scheduler.running:  # counted as error results where replies are counted
+            self.scheduler.finish(seq.id)
+            state = self._seqs.pop(seq.id)
+            if state.revoked:  # its partition's new owner answers it
+                continue
+            job = state.job
+            if job.request.stream and state.seq > 0:  # it has streamed: end the stream in band
+                message: Result | Chunk = Chunk(
+                    id=seq.id, model=self.name, seq=state.seq, final=True, status=Status.ERROR, finish="error",
+                    usage=state.usage, error=error, worker=self.worker_id)
+            else:
+                message = self._result(job, Status.ERROR, error=error, timings=state.timings())
+            replies.append(Outgoing(job, message))
         self._report_batch()
         return replies
 

@@ -254,7 +254,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kinfer.producers.gateway import GatewaySettings, create_app
-    from kinfer.producers.http import guarded_protocol
+    from kinfer.producers.http import MAX_FRAME_BYTES, guarded_protocol
 
     bootstrap, redis_url = resolve_endpoints()
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
@@ -266,7 +266,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     loop = os.environ.get("KINFER_GATEWAY_LOOP", "asyncio")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", loop=loop,
                 http=guarded_protocol(args.header_timeout_s), limit_concurrency=args.max_connections,
-                timeout_keep_alive=args.keep_alive_s)
+                timeout_keep_alive=args.keep_alive_s, ws_max_size=MAX_FRAME_BYTES)
     return 0
 
 

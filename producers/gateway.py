@@ -21,12 +21,18 @@ or the body's ``timeout_ms``.
 
 Starlette routes and msgspec bodies (``producers.http``): the OpenAPI document is generated from the
 route table below, so what is documented is what is served.
+
+Every body, frame and header is read by one bounded decode: its size first (``MAX_BODY_BYTES``,
+``MAX_FRAME_BYTES``), then msgspec against a schema in which every field has a type and a bound (the
+envelope's ``Limits`` for texts, inputs and params; no ``Any``) and nesting is bounded; a header's
+number is ASCII digits within its range. Bad input is a 4xx naming the field, never a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import logging
 import struct
@@ -49,7 +55,18 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kinfer.producers import metrics
 from kinfer.producers.client import Client
-from kinfer.producers.http import BadBody, Doc, decode, docs_page, error_body, json_response, openapi, read_body
+from kinfer.producers.http import (
+    MAX_FRAME_BYTES,
+    BadBody,
+    Doc,
+    ascii_int,
+    decode,
+    docs_page,
+    error_body,
+    json_response,
+    openapi,
+    read_body,
+)
 from kinfer.producers.ratelimit import RedisRateLimiter
 from kinfer.producers.tenants import Tenant, Tenants
 from kinfer.topics import (
@@ -68,6 +85,7 @@ from kinfer.topics import (
     UnknownModel,
 )
 from kinfer.topics.auth import Signer, signing_secrets
+from kinfer.topics.envelope import DEFAULT_LIMITS
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +93,16 @@ DEFAULT_TIMEOUT_MS = 30_000
 MIN_TIMEOUT_MS = 1_000  # below this an HTTP round trip plus a forward pass is not a fair promise
 MAX_TIMEOUT_MS = 600_000
 WS_IN_FLIGHT = 64  # requests one WebSocket may have outstanding; more wait for a slot
+MAX_NAME_CHARS = 256  # a params key, OpenAI's user, a message's name, a tool's or format's type
+MAX_OPENAI_STOPS = 4  # OpenAI's stop: at most four sequences ...
+MAX_OPENAI_STOP_CHARS = 255  # ... of 255 characters: joined by U+001F they fit one parameter (1,024 characters)
+MAX_TOOLS = 128  # OpenAI's tools (refused unless empty; counted before that)
+MAX_LOGIT_BIAS = 1_024  # OpenAI's logit_bias entries (refused unless empty)
+# The workers' sampling ranges (WIRE_FORMAT.md), checked here too so that an OpenAI body is refused
+# naming its field, before it is sent: temperature 0 or within [MIN_TEMPERATURE, 2] (OpenAI's top),
+# top_p within [MIN_TOP_P, 1].
+MIN_TEMPERATURE = 1e-4
+MIN_TOP_P = 1e-6
 
 REQUESTS = Counter("kinfer_gateway_requests_total", "Gateway requests", ["tenant", "route", "code"])
 LATENCY = Histogram(
@@ -112,12 +140,18 @@ class GatewaySettings:
 
 # -- request bodies (validated by msgspec while parsing) -------------------------------------
 
-Text = Annotated[str, Meta(max_length=16_384)]
-Texts = Annotated[Text | list[Text], Meta(description="one text or a list")]
+# Every field is bounded here, as the envelope bounds a request (``topics.envelope.Limits``): a body is
+# refused while it is parsed, before the client builds a request from it. No field is ``Any``.
+Text = Annotated[str, Meta(max_length=DEFAULT_LIMITS.max_text_chars)]
+Texts = Annotated[Text | Annotated[list[Text], Meta(max_length=DEFAULT_LIMITS.max_inputs)],
+                  Meta(description="one text or a list")]
 PriorityField = Annotated[int, Meta(ge=0, le=2, description="0 interactive, 1 standard, 2 batch")]
 TimeoutField = Annotated[int, Meta(ge=MIN_TIMEOUT_MS, le=MAX_TIMEOUT_MS, description="deadline, ms from now")]
-Params = Annotated[dict[str, str | int | float | bool | None], Meta(max_length=32)]
+ParamKey = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+ParamValue = Annotated[str, Meta(max_length=DEFAULT_LIMITS.max_param_chars)] | int | float | bool | None
+Params = Annotated[dict[ParamKey, ParamValue], Meta(max_length=DEFAULT_LIMITS.max_params)]
 ModelName = Annotated[str, Meta(min_length=1, max_length=63)]
+Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]  # OpenAI's user, name, types and the like
 
 
 class InferBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -137,7 +171,7 @@ class StreamBody(msgspec.Struct, forbid_unknown_fields=True):
 class WsMessage(msgspec.Struct, forbid_unknown_fields=True):
     """One request on the WebSocket: an ``InferBody`` or (``stream: true``) a ``StreamBody``, and an ``id``."""
 
-    id: Annotated[str, Meta(max_length=128)] | int | None = None
+    id: Annotated[str, Meta(max_length=128)] | Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     stream: bool = False
     inputs: Texts | None = None
     prompt: Text | None = None
@@ -146,11 +180,16 @@ class WsMessage(msgspec.Struct, forbid_unknown_fields=True):
     params: Params = {}
 
 
-class EmbeddingsBody(msgspec.Struct):  # OpenAI's: fields it does not define are ignored, as its servers do
+# OpenAI's bodies: fields they do not define are skipped, not refused (OpenAI's clients send fields
+# newer than this server). msgspec skips an unknown value without building it; its nesting is bounded
+# like the rest of the document (``producers.http.decode``), and its size by ``MAX_BODY_BYTES``.
+
+
+class EmbeddingsBody(msgspec.Struct):
     model: ModelName
     input: Texts
     encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
+    user: Name | None = None
     dimensions: int | None = None  # refused: the model's vectors have the size they have
 
 
@@ -158,21 +197,42 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class ToolFunction(msgspec.Struct):
+    name: Name  # its description and JSON-schema parameters are skipped: tools are refused anyway
+
+
+class Tool(msgspec.Struct):
+    type: Name
+    function: ToolFunction | None = None
+
+
+class ToolChoice(msgspec.Struct):
+    type: Name
+    function: ToolFunction | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Name  # its json_schema is skipped: any type but "text" is refused
+
+
+Stop = Annotated[str, Meta(max_length=MAX_OPENAI_STOP_CHARS)]
+
+
 class _Generation(msgspec.Struct, kw_only=True):
     """What OpenAI's completion and chat bodies share: sampling, streaming, and options kinfer refuses."""
 
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    stop: str | list[str] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0  # and 0 or >= MIN_TEMPERATURE
+    top_p: Annotated[float, Meta(ge=MIN_TOP_P, le=1.0)] = 1.0
+    stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_OPENAI_STOPS)] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**62)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # OpenAI fields kinfer does not implement: refused with a 400 when they ask for anything but the default.
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[Name, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
 
     def _asked(self) -> dict[str, bool]:
         """Each unimplemented field, and whether the body asks for more than its default."""
@@ -183,6 +243,22 @@ class _Generation(msgspec.Struct, kw_only=True):
     def unsupported(self) -> str | None:
         """The first field asking for something kinfer does not do (never silently ignored)."""
         return next((name for name, wanted in self._asked().items() if wanted), None)
+
+    def params(self, max_tokens: int) -> dict[str, str | int | float | None]:
+        """The request's generation ``params`` (WIRE_FORMAT.md)."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        params: dict[str, str | int | float | None] = {"max_new_tokens": max_tokens, "temperature": self.temperature,
+                                                       "top_p": self.top_p, "seed": self.seed}
+        if joined := "\x1f".join(s for s in stops if s):
+            params["stop"] = joined
+        return params
+
+    def out_of_range(self) -> InvalidRequest | None:
+        """What the schema cannot say: a temperature between 0 and the workers' least."""
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            return InvalidRequest(f"temperature must be 0 (greedy) or within [{MIN_TEMPERATURE}, 2], "
+                                  f"got {self.temperature!r}", "temperature")
+        return None
 
 
 class CompletionsBody(_Generation, kw_only=True):
@@ -202,7 +278,7 @@ class CompletionsBody(_Generation, kw_only=True):
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text
-    name: str | None = None
+    name: Name | None = None
 
 
 class ChatCompletionsBody(_Generation, kw_only=True):
@@ -212,14 +288,14 @@ class ChatCompletionsBody(_Generation, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1, le=4096)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Name | ToolChoice | None = None
+    response_format: ResponseFormat | None = None
 
     def _asked(self) -> dict[str, bool]:
         return {**super()._asked(), "logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None,
                 "tools": bool(self.tools), "tool_choice": self.tool_choice not in (None, "none"),
-                "response_format": self.response_format not in (None, {"type": "text"})}
+                "response_format": self.response_format is not None and self.response_format.type != "text"}
 
 
 T = TypeVar("T")
@@ -313,10 +389,11 @@ class _Gateway:
         raw = request.headers.get("x-request-timeout-ms")
         if raw is None:
             return None
-        if not raw.isdigit() or not MIN_TIMEOUT_MS <= int(raw) <= MAX_TIMEOUT_MS:
+        value = ascii_int(raw, MIN_TIMEOUT_MS, MAX_TIMEOUT_MS)
+        if value is None:
             raise BadBody(f"X-Request-Timeout-Ms must be an integer in [{MIN_TIMEOUT_MS}, {MAX_TIMEOUT_MS}]",
                           "X-Request-Timeout-Ms")
-        return int(raw)
+        return value
 
     # -- probes --
 
@@ -401,6 +478,10 @@ class _Gateway:
                 await self._ws_request(model, message, who, send)
             except (WebSocketDisconnect, RuntimeError):  # the caller left before its answer: nobody to tell
                 pass
+            except Exception:  # a fault of ours: said on the socket (as a 500 would be), which stays open
+                log.exception("unexpected error on a WebSocket request to %s", model)
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                    await send({"id": message.id, "code": 500, **error_body("internal", "internal error")})
             finally:
                 slots.release()
 
@@ -414,9 +495,11 @@ class _Gateway:
                     await ws.close(code=1003, reason="send requests as JSON text frames")
                     break
                 try:
+                    if len(text) > MAX_FRAME_BYTES:  # a server without ws_max_size=MAX_FRAME_BYTES let it in
+                        raise BadBody(f"the frame is over {MAX_FRAME_BYTES} characters", status=413)
                     message = decode(text, WsMessage)
                 except BadBody as exc:
-                    await send({"id": None, "code": 422, **error_body("invalid", str(exc)[:2000], exc.field)})
+                    await send({"id": None, "code": exc.status, **error_body("invalid", str(exc)[:2000], exc.field)})
                     continue
                 await slots.acquire()
                 task = asyncio.create_task(serve(message))
@@ -503,14 +586,12 @@ class _Gateway:
         (``kind``), whole or streamed."""
         if (field := body.unsupported()) is not None:
             raise InvalidRequest(f"{field} is not supported by this server (use its default)", field)
+        if (refused := body.out_of_range()) is not None:
+            raise refused
         timeout_ms = self.timeout_header(request)
         route = "completions" if kind == "text_completion" else "chat"
         name = await self.admit(who, route)
-        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-        params: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": body.temperature,
-                                  "top_p": body.top_p, "seed": body.seed}
-        if stops:
-            params["stop"] = "\x1f".join(s for s in stops if s)
+        params = body.params(max_tokens)
         deadline = timeout_ms or DEFAULT_TIMEOUT_MS
         created = int(time.time())
         cid = f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}"

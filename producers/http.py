@@ -22,6 +22,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 HEADER_TIMEOUT_S = 10.0  # a connection must send each request's headers within this
 MAX_BODY_BYTES = 2 * 1_048_576  # a request record is at most 1,000,000 bytes packed; JSON may be about twice that
+MAX_FRAME_BYTES = MAX_BODY_BYTES  # one WebSocket message (uvicorn's ws_max_size; its default is 16 MiB)
 _FIELD = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
 _ENCODER = msgspec.json.Encoder()
 T = TypeVar("T")
@@ -49,10 +50,24 @@ def error_body(kind: str, message: str, field: str | None = None) -> dict[str, A
     return {"error": error}
 
 
+def ascii_int(raw: str, low: int, high: int) -> int | None:
+    """``raw`` as an integer within [low, high] when it is one written in ASCII digits, else None.
+
+    ``int()`` alone takes Unicode digits ("²" passes ``isdigit`` and fails ``int``), signs, spaces and
+    underscores, and refuses more than 4,300 digits with a ValueError: none of that reaches it here.
+    """
+    if not (0 < len(raw) <= len(str(high)) and raw.isascii() and raw.isdigit()):
+        return None
+    value = int(raw)
+    return value if low <= value <= high else None
+
+
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise BadBody(f"the body is over {limit} bytes", status=413)
+    if length is not None and ascii_int(length, 0, limit) is None:
+        if length.isascii() and length.isdigit():
+            raise BadBody(f"the body is over {limit} bytes", status=413)
+        raise BadBody("Content-Length is not a number of bytes", "Content-Length")
     data = bytearray()
     async for piece in request.stream():
         data += piece
@@ -62,7 +77,14 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
 
 
 def decode(data: bytes | str, kind: type[T]) -> T:
-    """Parse and validate in one pass; the error names the offending field when there is one."""
+    """Parse and validate in one pass: a value of ``kind``, or ``BadBody`` naming the offending field when
+    there is one — nothing else, whatever ``data`` holds (the caller bounds its size first).
+
+    Nesting is bounded by the interpreter's recursion limit (1,000 levels, less the stack in use): msgspec
+    raises ``RecursionError`` past it, also inside an unknown field it skips; no schema here nests more
+    than five levels, so a deeper document is never a valid one. JSON has no NaN or infinity, and a
+    number beyond a double's range is refused as out of range: floats are finite.
+    """
     try:
         return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as exc:
@@ -70,6 +92,10 @@ def decode(data: bytes | str, kind: type[T]) -> T:
         raise BadBody(str(exc), found.group(1) if found else None) from None
     except msgspec.DecodeError as exc:
         raise BadBody(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadBody("the body nests deeper than the gateway reads (about 1,000 levels)") from None
+    except UnicodeError:  # a str holding a lone surrogate cannot be UTF-8
+        raise BadBody("the body is not valid UTF-8") from None
 
 
 # -- the route table and its OpenAPI document -------------------------------------------------

@@ -61,6 +61,10 @@ class StepRunner(Runner, Protocol):
     def step(self, admit: list[GenInput], drop: list[str]) -> list[TokenEvent]:
         """Drop finished or cancelled rows, prefill ``admit``, decode one token for every row."""
 
+    def reset(self) -> None:
+        """Drop the running batch and every row, KV caches included: after a ``step`` raised, its state
+        is unknown; the next step starts from an empty batch."""
+
     def render_chat(self, turns: list[tuple[str, str]]) -> tuple[str, tuple[str, ...]]:
         """A chat's (role, content) turns as the model's prompt, and the stop sequences its template
         implies; ``ValueError`` when the template refuses them. Called on the event loop."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kinfer.consumers.runners.base import TorchResidency, drop_weights
-from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
+from kinfer.consumers.runners.sampling import MIN_TEMPERATURE, GenInput, Sampling, TokenEvent
 
-__all__ = ["PLAIN_CHAT_STOPS", "PLAIN_CHAT_TEMPLATE", "GenBatch", "GenInput", "GeneratorRunner", "Sampling",
-           "TokenEvent"]
+__all__ = ["MAX_STRIP_PASSES", "PLAIN_CHAT_STOPS", "PLAIN_CHAT_TAGS", "PLAIN_CHAT_TEMPLATE", "GenBatch", "GenInput",
+           "GeneratorRunner", "Sampling", "TokenEvent"]
 
 # For a model whose tokenizer has no chat template of its own: each turn tagged with its role, then the
 # assistant's tag to answer after. The turn tags are stop sequences (``PLAIN_CHAT_STOPS``), so an answer
@@ -37,6 +38,10 @@ PLAIN_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 PLAIN_CHAT_STOPS = ("<|user|>", "<|system|>")
+PLAIN_CHAT_TAGS = ("<|system|>", "<|user|>", "<|assistant|>")  # the plain template's role tags
+# A turn loses the tokenizer's special tokens and the role tags until none is left; each pass removes
+# one layer of nesting (``<|im_<|im_end|>end|>``). Deeper than this, the turn is refused, not stripped.
+MAX_STRIP_PASSES = 8
 
 
 @dataclass
@@ -145,10 +150,9 @@ class GeneratorRunner(TorchResidency):
         # transformers 5.x renamed ``past_key_values`` to ``cache``; the cache is updated in place.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         added = getattr(self.tokenizer, "added_tokens_decoder", {}).values()
-        specials = {*self.tokenizer.all_special_tokens, *(t.content for t in added if getattr(t, "special", False))}
-        # One pass over a turn, not one per token (Llama 3 has 256 reserved ones); longest first.
-        ordered = sorted((t for t in specials if t), key=len, reverse=True)
-        self._specials = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        specials = {*self.tokenizer.all_special_tokens, *(t.content for t in added if getattr(t, "special", False)),
+                    *PLAIN_CHAT_TAGS}
+        self._specials = re.compile(_trie_pattern(t for t in specials if t))
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -163,6 +167,11 @@ class GeneratorRunner(TorchResidency):
         self.model = None
         drop_weights(self.device)
 
+    def reset(self) -> None:
+        """Forget the running batch and every row (after a failed step left them in an unknown state)."""
+        self.batch = None
+        self._rows.clear()
+
     def warmup(self) -> None:
         self.step([GenInput("warmup", "warm up the kernels", Sampling(max_new_tokens=2))], [])
         while self.batch is not None:
@@ -174,7 +183,11 @@ class GeneratorRunner(TorchResidency):
 
         The rendered text is tokenized with its special tokens recognised (the template places them),
         so a turn's own text may not carry them: they are removed from every content first — else a
-        user could end their turn and forge a system one (``<|im_end|><|im_start|>system``).
+        user could end their turn and forge a system one (``<|im_end|><|im_start|>system``). So are
+        the plain template's role tags (``<|system|>``: plain text to the tokenizer, a turn to the model).
+        Removal runs to a fixed point, so halves around a removed token cannot join into a new one; a
+        turn nesting them deeper than ``MAX_STRIP_PASSES`` is refused (``ValueError``): stripping it
+        would cost a pass per layer, and no honest text nests special tokens.
         """
         template = getattr(self.tokenizer, "chat_template", None)
         messages = [{"role": role, "content": self._unspecial(content)} for role, content in turns]
@@ -189,7 +202,17 @@ class GeneratorRunner(TorchResidency):
         return str(prompt), (PLAIN_CHAT_STOPS if plain else ())
 
     def _unspecial(self, text: str) -> str:
-        return self._specials.sub("", text) if self._specials is not None else text
+        """``text`` without special tokens or role tags, to a fixed point: a removal that joins two halves
+        into a new one removes that one too. ``ValueError`` past ``MAX_STRIP_PASSES`` layers of nesting."""
+        if self._specials is None:
+            return text
+        for _ in range(MAX_STRIP_PASSES):
+            text, removed = self._specials.subn("", text)
+            if not removed:
+                return text
+        if self._specials.search(text) is None:
+            return text
+        raise ValueError(f"a turn nests special tokens or role tags more than {MAX_STRIP_PASSES} deep")
 
     def count_tokens(self, text: str) -> int:
         return min(self.max_prompt_tokens, len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1)
@@ -330,6 +353,26 @@ class GeneratorRunner(TorchResidency):
         return TokenEvent(row.id, token, delta, finish, row.prompt_tokens, len(row.tokens))
 
 
+def _trie_pattern(words: Iterable[str]) -> str:
+    """A regex matching any of ``words``, longest first, factored by common prefix: one pass over a text
+    costs about its length, not its length times the number of words (Llama 3 has 256 special tokens)."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a word ends here
+
+    def build(node: dict[str, Any]) -> str:
+        branches = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer word when both match
+
+    return build(trie)
+
+
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of ``text`` that could still become a stop sequence: not sent yet."""
     best = 0
@@ -351,12 +394,23 @@ def _generator(request_id: str, sampling: Sampling) -> torch.Generator | None:
 
 
 def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The next token: greedy, or sampled at ``temperature`` from the top-``top_p`` mass.
+
+    Total over its inputs: whatever the logits hold (NaN, ±inf, all -inf) and whatever the
+    parameters (float32 underflow of a tiny ``top_p``), the distribution it samples from is finite,
+    non-negative and keeps at least the most likely token, so ``torch.multinomial`` never raises.
+    """
+    logits = torch.nan_to_num(logits.float(), nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)  # NaN: no candidate
     if sampling.temperature == 0 or generator is None:
         return int(logits.argmax().item())
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    scaled = logits / max(float(sampling.temperature), MIN_TEMPERATURE)
+    top = scaled.max()
+    if not torch.isfinite(top):  # +inf somewhere (that token wins), or nothing but -inf (any does)
+        return int(scaled.argmax().item())
+    probs = torch.softmax(scaled - top, dim=-1)  # the most likely token has exp(0) = 1 before normalising
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < sampling.top_p  # always keeps the most likely token
+        keep = sorted_p.cumsum(0) - sorted_p < sampling.top_p
+        keep[0] = True  # the most likely token, even when top_p underflows float32
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
-

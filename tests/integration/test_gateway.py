@@ -28,7 +28,7 @@ from kinfer.ops.procs import wait_until_served
 from kinfer.ops.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.producers.gateway import GatewaySettings, create_app
-from kinfer.producers.http import guarded_protocol
+from kinfer.producers.http import MAX_BODY_BYTES, MAX_FRAME_BYTES, guarded_protocol
 from kinfer.producers.tenants import Tenants, hash_key
 from kinfer.topics import now_ms
 from kinfer.topics.admin import ensure_topics, model_topic_specs
@@ -90,7 +90,7 @@ async def gateway(stack: StackInfo, workers: tuple[str, str, str, str], tmp_path
     port = free_port()
     app = create_app(GatewaySettings(stack.bootstrap, stack.redis_url, Tenants.from_file(path)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                          http=guarded_protocol(header_timeout_s=1.0)))
+                                          http=guarded_protocol(header_timeout_s=1.0), ws_max_size=MAX_FRAME_BYTES))
     task = asyncio.create_task(server.serve())
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
         await asyncio.sleep(0.05)
@@ -359,3 +359,119 @@ async def test_openai_package_retrieve_usage_in_streams_and_unsupported_options(
             await oai.responses.create(model=gateway.lm, input="hi")
         assert missing.value.body == {"type": "not_found", "message": "POST /v1/responses: Not Found",
                                       "param": None, "code": None}
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+async def test_hostile_bodies_and_headers_get_4xx_naming_what_is_wrong_and_the_gateway_serves_on(
+    gateway: Served,
+) -> None:
+    chat = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2' % gateway.lm.encode()
+    completion = b'{"model": "%s", "prompt": "hi", "max_tokens": 2' % gateway.lm.encode()
+    native = f"/v1/models/{gateway.lm}/stream"
+    # (route, body, status, the param the error names; None: no single field is to blame)
+    cases: list[tuple[str, bytes, int, str | None]] = [
+        ("/v1/chat/completions", chat + b', "metadata": ' + DEEP + b"}", 400, "body"),  # unknown field, deep
+        ("/v1/chat/completions", chat + b', "tools": [{"type": "function", "function": {"name": "f", '
+         b'"parameters": ' + DEEP + b"}}]}", 400, "body"),
+        ("/v1/chat/completions", chat + b', "response_format": ' + DEEP + b"}", 400, "response_format"),  # typed
+        ("/v1/chat/completions", chat + b', "response_format": {"type": "json_schema", "json_schema": ' + DEEP
+         + b"}}", 400, "body"),
+        ("/v1/chat/completions", chat + b', "temperature": 1e-40}', 400, "temperature"),
+        ("/v1/chat/completions", chat + b', "top_p": 1e-300}', 400, "top_p"),
+        ("/v1/chat/completions", chat + b', "temperature": NaN}', 400, "body"),
+        ("/v1/chat/completions", chat + b', "temperature": "nan"}', 400, "temperature"),
+        ("/v1/chat/completions", chat + b', "temperature": 1e999}', 400, "temperature"),
+        ("/v1/chat/completions", chat + b', "seed": 1e999}', 400, "seed"),
+        ("/v1/chat/completions", chat + b', "max_tokens": 18446744073709551616}', 400, "max_tokens"),
+        ("/v1/chat/completions", chat + b', "stop": ["a", "b", "c", "d", "e"]}', 400, "stop"),
+        ("/v1/chat/completions", chat + b', "user": "' + b"u" * 300 + b'"}', 400, "user"),
+        ("/v1/completions", completion + b', "logit_bias": {' + b",".join(b'"%d": 1' % i for i in range(1_100))
+         + b"}}", 400, "logit_bias"),
+        ("/v1/completions", completion + b', "top_p": 0}', 400, "top_p"),
+        ("/v1/embeddings", b'{"model": "%s", "input": [' % gateway.emb.encode() + b'"a",' * 300 + b'"a"]}', 400,
+         "input"),
+        ("/v1/embeddings", b"\xff\xfe" + DEEP, 400, "body"),
+        (native, b'{"prompt": "x", "params": {"temperature": 1e-40}}', 400, "params"),  # refused by the worker
+        (native, b'{"prompt": "x", "params": {"temperature": "nan"}}', 400, "params"),
+        (native, b'{"prompt": "x", "params": {"top_p": 1e-300, "temperature": 1.0}}', 400, "params"),
+        (native, b'{"prompt": "x", "params": {"max_new_tokens": 1e300}}', 400, "params"),
+        (native, b'{"prompt": "x", "params": {"seed": 1e300, "temperature": 0.5}}', 400, "params"),
+        (native, b'{"prompt": "x", "params": {"stop": "' + b"s" * 2_000 + b'"}}', 422, "params"),
+        (native, b'{"prompt": "x", "params": {"k": ' + DEEP + b"}}", 422, "params"),
+        (f"/v1/models/{gateway.noop}/infer", b'{"inputs": [' + b'"a",' * 400_000 + b'"a"]}', 422, "inputs"),
+        (f"/v1/models/{gateway.noop}/infer", b"[" * (MAX_BODY_BYTES + 1), 413, None),
+    ]
+    headers = {**auth(), "Content-Type": "application/json"}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        for route, body, status, field in cases:
+            r = await http.post(route, content=body, headers=headers)
+            assert r.status_code == status, (route, body[:80], r.text[:300])
+            error = r.json()["error"]  # OpenAI's error shape on every route
+            assert error["message"] and error["param"] == field, (route, body[:80], error)
+        for value in ("²", "¹²³²", "1" * 5_000, "-5000", "5000.0", "1_000", "5e3", "999", "600001"):
+            for route, body in ((f"/v1/models/{gateway.noop}/infer", b'{"inputs": "x"}'),
+                                ("/v1/completions", completion + b"}")):
+                # As the bytes arrive: Starlette reads header values as Latin-1, so b"\xb2" is "²".
+                raw = {"X-Request-Timeout-Ms": value.encode("latin-1")}
+                r = await http.post(route, content=body, headers={**headers, **raw})
+                assert r.status_code == 422, (value, r.text[:200])
+                assert r.json()["error"]["param"] == "X-Request-Timeout-Ms"
+        # Still served, by the gateway and by the workers behind it.
+        r = await http.post("/v1/chat/completions", content=chat + b', "temperature": 0.0001, "top_p": 0.000001}',
+                            headers=headers)
+        assert r.status_code == 200, r.text
+        r = await http.post("/v1/completions", headers=headers, content=completion
+                            + b', "metadata": {"tags": [1, 2, {"a": null}]}, "store": false, "top_p": 1e-6}')
+        assert r.status_code == 200, r.text
+        r = await http.post(native, json={"prompt": "x", "params": {"max_new_tokens": 3, "temperature": 100.0}},
+                            headers=auth())
+        assert r.status_code == 200 and r.text.rstrip().endswith("[DONE]"), r.text
+        r = await http.post(f"/v1/models/{gateway.noop}/infer", json={"inputs": "still served"},
+                            headers={**auth(), "X-Request-Timeout-Ms": "5000"})
+        assert r.status_code == 200, r.text
+        assert 'kinfer_gateway_errors_total{status="500"' not in (await http.get("/metrics")).text
+
+
+async def test_openai_package_tiny_sampling_parameters_are_refused_by_name(gateway: Served) -> None:
+    messages: list[Any] = [{"role": "user", "content": "once upon"}]
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as oai:
+        for options in ({"temperature": 1e-40}, {"top_p": 1e-300}, {"temperature": 1e-40, "top_p": 1e-300}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await oai.chat.completions.create(model=gateway.lm, messages=messages, max_tokens=2, **options)
+            assert refused.value.param in options
+            with pytest.raises(openai.BadRequestError):
+                await oai.completions.create(model=gateway.lm, prompt="x", max_tokens=2, **options)
+        done = await oai.chat.completions.create(model=gateway.lm, messages=messages, max_tokens=2, temperature=2,
+                                                 top_p=1e-6, seed=2**62)
+        assert done.usage is not None and done.usage.completion_tokens == 2
+
+
+async def test_hostile_websocket_frames_are_refused_and_the_socket_or_the_next_one_serves(gateway: Served) -> None:
+    url = gateway.url.replace("http", "ws") + f"/v1/models/{gateway.noop}/ws"
+    async with websockets.connect(url, additional_headers=auth(), max_size=None) as ws:
+        frames = {
+            json.dumps({"id": "wide", "inputs": ["a"] * 300_000}): ("inputs", 422),  # 1.5 MB of one-letter inputs
+            json.dumps({"id": "many", "inputs": ["a"] * 257}): ("inputs", 422),
+            json.dumps({"id": "long", "inputs": "a" * 16_385}): ("inputs", 422),
+            json.dumps({"id": "p", "inputs": "a", "params": {"k": "v" * 1_025}}): ("params", 422),
+            '{"id": "deep", "inputs": "x", "params": {"k": ' + "[" * 100_000 + "]" * 100_000 + "}}": ("params", 422),
+            '{"id": 18446744073709551616, "inputs": "x"}': ("id", 422),
+            '{"id": "nan", "inputs": "x", "params": {"t": NaN}}': (None, 422),
+            '{"id": "u", "inputs": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}": (None, 422),
+        }
+        for frame, (field, code) in frames.items():
+            assert len(frame) <= MAX_FRAME_BYTES
+            await ws.send(frame)
+            reply = json.loads(await ws.recv())
+            assert reply["code"] == code and reply["error"]["param"] == field, (frame[:60], reply)
+        await ws.send(json.dumps({"id": "ok", "inputs": "abc"}))
+        assert json.loads(await ws.recv())["outputs"] == [3]
+        await ws.send(json.dumps({"id": "huge", "inputs": ["a" * 16_000] * 256}))  # ~4 MB: over the frame limit
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # message too big
+    async with websockets.connect(url, additional_headers=auth()) as ws:
+        await ws.send(json.dumps({"id": "after", "inputs": "abcd"}))
+        assert json.loads(await ws.recv())["outputs"] == [4]

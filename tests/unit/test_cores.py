@@ -92,6 +92,7 @@ class FakeGenerator:
         self.spec_accepted = 0
         self.batch = None
         self.fail = fail
+        self.resets = 0  # times ``reset`` was called
         self.rows: dict[str, tuple[GenInput, int]] = {}  # id → (input, tokens generated)
         self.steps: list[tuple[list[str], list[str]]] = []  # (admitted ids, dropped ids) per call
         self.ever: set[str] = set()
@@ -111,6 +112,10 @@ class FakeGenerator:
         if any(not content for _, content in turns):
             raise ValueError("the template refuses an empty turn")
         return "".join(f"[{role}] {content} " for role, content in turns) + "[bot]", ("[user]",)
+
+    def reset(self) -> None:
+        self.resets += 1
+        self.rows.clear()
 
     def step(self, admit: list[GenInput], drop: list[str]) -> list[TokenEvent]:
         self.steps.append(([a.id for a in admit], list(drop)))
@@ -252,25 +257,30 @@ def test_batch_every_request_gets_one_ok_result_with_its_outputs_in_order_across
     assert sum(f.requests for f in facts) == len(sizes) and sum(f.errors for f in facts) == 0
 
 
-def test_batch_a_failing_call_fails_its_batch_and_the_core_keeps_working() -> None:
-    core, runner, observer = batch_core(BatchPolicy(max_batch_size=2))
-    for i, rid in enumerate(["a", "b"]):
+def test_batch_a_failing_batch_runs_again_one_by_one_and_only_the_culprit_fails() -> None:
+    core, runner, observer = batch_core(BatchPolicy(max_batch_size=3))
+    for i, rid in enumerate(["a", "b", "c"]):
         core.admit(job(request(rid, (f"{rid} boom" if rid == "b" else rid,)), offset=i), T0)
     first = drain_batches(core, T0)
-    assert len(runner.calls) == 1
-    assert terminals(first) == {"a": 1, "b": 1}
-    for r in first:
-        assert isinstance(r.message, Result)
-        assert r.message.status is Status.ERROR
-        assert r.message.error == "RuntimeError: boom"
-        assert r.message.outputs == []
+    assert runner.calls == [["a", "b boom", "c"], ["a"], ["b boom"], ["c"]]
+    assert terminals(first) == {"a": 1, "b": 1, "c": 1}
+    results = {r.message.id: r.message for r in first}
+    assert all(isinstance(m, Result) for m in results.values())
+    assert results["b"].status is Status.ERROR and results["b"].error == "RuntimeError: boom"
+    assert results["b"].outputs == []
+    assert [results[k].outputs for k in "ac"] == [["out(a)"], ["out(c)"]]
+    assert [f.errors for _, f in observer.of("batch")] == [1]
 
-    for i, rid in enumerate(["c", "d"]):
-        core.admit(job(request(rid, (rid,)), offset=10 + i), T0 + 1)
-    second = drain_batches(core, T0 + 1)
-    assert terminals(second) == {"c": 1, "d": 1}
+    # A lone request that fails is not run again; the core keeps working afterwards.
+    core.admit(job(request("d", ("d boom",)), offset=10), T0 + 1)
+    assert [r.message.status for r in drain_batches(core, T0 + 1)] == [Status.ERROR]  # type: ignore[union-attr]
+    assert runner.calls[-1] == ["d boom"] and len(runner.calls) == 5
+    for i, rid in enumerate(["e", "f"]):
+        core.admit(job(request(rid, (rid,)), offset=20 + i), T0 + 2)
+    second = drain_batches(core, T0 + 2)
+    assert terminals(second) == {"e": 1, "f": 1}
     assert all(isinstance(r.message, Result) and r.message.status is Status.OK for r in second)
-    assert [f.errors for _, f in observer.of("batch")] == [2, 0]
+    assert [f.errors for _, f in observer.of("batch")] == [1, 1, 0]
 
 
 def test_batch_a_stream_request_is_refused() -> None:
@@ -451,16 +461,52 @@ def test_gen_a_request_too_large_for_the_kv_budget_is_invalid() -> None:
     assert "big" not in runner.ever
 
 
-def test_gen_a_failing_step_propagates_out_of_complete() -> None:
-    core, _, _ = gen_core(fail=True)
-    core.admit(job(request("a")), T0)
-    plan = core.next(T0)
+def test_gen_a_failing_step_fails_the_sequences_in_it_and_the_core_serves_on() -> None:
+    core, runner, observer = gen_core(GenPolicy(max_running=2))
+    core.admit(job(request("s", stream=True, params={"max_new_tokens": 50})), T0)
+    core.admit(job(request("p", params={"max_new_tokens": 50}), offset=1), T0)
+    core.admit(job(request("w", params={"max_new_tokens": 2}), offset=2), T0)  # waits: the batch is full
+    out: list[Outgoing] = []
+    for i in range(2):
+        out += gen_step(core, T0 + i)[1]
+    assert [r.message.id for r in out] == ["s", "s"]
+
+    runner.fail = True
+    plan, failed = gen_step(core, T0 + 2)
+    assert plan.work is not None and not plan.replies
+    assert terminals(failed) == {"s": 1, "p": 1}
+    by = {r.message.id: r.message for r in failed}
+    stream_end, plain = by["s"], by["p"]
+    assert isinstance(stream_end, Chunk) and stream_end.final and stream_end.seq == 2  # in band, after 2 chunks
+    assert stream_end.status is Status.ERROR and "device-side assert" in (stream_end.error or "")
+    assert isinstance(plain, Result) and plain.status is Status.ERROR and plain.outputs == []
+    assert plain.error == "generation failed: RuntimeError: CUDA error: device-side assert triggered"
+    assert runner.resets == 1 and not runner.rows  # the runner's batch starts over empty
+    assert core.has_work() and [s.id for s in core.scheduler.waiting] == ["w"]
+    assert len(observer.of("step")) == 2  # a failed step is no step to learn timings from
+
+    runner.fail = False
+    core.admit(job(request("n", params={"max_new_tokens": 3}), offset=3), T0 + 3)
+    rest = drain_gen(core, T0 + 3)
+    assert terminals(rest) == {"w": 1, "n": 1}
+    assert all(isinstance(r.message, Result) and r.message.status is Status.OK for r in rest)
+    assert by_id(rest)["n"][0].outputs[0]["text"] == full_text("n", 3)  # type: ignore[union-attr]
+    assert not core.has_work() and not core.cancel("s") and not core.cancel("p")
+
+
+def test_gen_a_failing_step_sends_nothing_for_a_sequence_revoked_during_it() -> None:
+    core, runner, _ = gen_core()
+    core.admit(job(request("gone", params={"max_new_tokens": 9}), partition="tp1"), T0)
+    core.admit(job(request("kept", params={"max_new_tokens": 9}), offset=1), T0)
+    gen_step(core, T0)
+    plan = core.next(T0 + 1)
     assert plan.work is not None
-    outcome = execute(plan.work, T0)
-    assert isinstance(outcome.error, RuntimeError)
-    with pytest.raises(RuntimeError, match="device-side assert") as raised:
-        core.complete(plan.work, outcome)
-    assert raised.value is outcome.error
+    runner.fail = True
+    outcome = execute(plan.work, T0 + 1)
+    assert core.revoke({"tp1"}) == 1  # while its step runs: the partition's new owner answers it
+    [failed] = core.complete(plan.work, outcome)
+    assert failed.message.id == "kept" and failed.message.status is Status.ERROR
+    assert not core.has_work()
 
 
 def test_gen_bad_requests_are_refused() -> None:
@@ -615,16 +661,20 @@ def test_batch_every_admitted_request_leaves_exactly_once(ops: list[tuple[str, A
             inputs = admitted[rid].request.inputs
             if r.message.status is Status.OK:
                 assert r.message.outputs == [f"out({t})" for t in inputs]
+                assert not any("boom" in t for t in inputs)
             else:
                 assert r.message.outputs == []
+                # A failing batch runs again request by request: only a poisoned request fails.
+                assert r.message.status is not Status.ERROR or any("boom" in t for t in inputs)
 
     def start() -> None:
         nonlocal in_flight
         plan = core.next(now)
         take(plan.replies)
         if plan.work is not None:
+            before = len(runner.calls)
             outcome = execute(plan.work, now)  # run at once: the texts say which requests it took
-            running = ids_in(runner.calls[-1])
+            running = ids_in([t for call in runner.calls[before:] for t in call])
             assert running <= queued, "a batch took a request twice, or one that had left"
             queued.difference_update(running)
             in_flight = (plan.work, outcome, running)

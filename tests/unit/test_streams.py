@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kinfer.producers.streams import StreamBuffer
+from kinfer.producers.streams import MAX_STREAM_CHUNKS, StreamBuffer
 from kinfer.topics import Chunk, DeadlineExceeded
 
 
@@ -49,3 +49,15 @@ async def test_a_waiting_reader_wakes_on_push() -> None:
     await asyncio.sleep(0.01)
     b.push(chunk(0))
     assert (await reader).seq == 0
+
+
+async def test_a_chunk_numbered_past_any_streams_end_is_dropped_and_counted() -> None:
+    b = StreamBuffer()
+    for seq in (MAX_STREAM_CHUNKS, 2**62, MAX_STREAM_CHUNKS + 1):
+        b.push(chunk(seq))
+    assert b.out_of_range == 3
+    b.push(chunk(0))
+    b.push(chunk(MAX_STREAM_CHUNKS - 1, final=True))  # the last chunk a stream can have is kept
+    assert await b.next(1.0) == chunk(0)
+    with pytest.raises(TimeoutError):
+        await b.next(0.01)  # the gap before it is still open
