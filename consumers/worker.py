@@ -803,7 +803,7 @@ class Worker:
         try:
             value = await asyncio.get_running_loop().run_in_executor(self._executor, work.call)
             error = None
-        except Exception as exc:  # the core decides: error replies (a batch), or the worker dies (a step)
+        except Exception as exc:  # the core answers the requests of the failed work with errors
             log.exception("%s: model call failed", feed.name)
             value, error = None, exc
         finally:
