@@ -29,6 +29,7 @@ import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from redis.exceptions import NoPermissionError
 
 from kinfer.topics import now_ms
 from kinfer.topics.auth import Signer
@@ -229,7 +230,11 @@ async def attack_redis(target: Target, sent: Sent, seed: int = 0) -> None:
     async with aioredis.Redis.from_url(target.redis_url) as r:
         for channel in channels:
             for kind, payload in channel_messages(seed):
-                await r.publish(channel, payload)
+                try:
+                    await r.publish(channel, payload)
+                except NoPermissionError:  # the deployment's ACLs keep this tenant off the channel
+                    sent.refused[f"redis:{channel}"] = "NoPermissionError"
+                    break
                 sent.add(f"redis:{channel}:{kind}")
 
 
@@ -275,20 +280,33 @@ def http_requests(model: str, generator: str | None) -> list[tuple[str, str, str
 
 async def _http(host: str, port: int, method: str, path: str, headers: dict[str, str], body: bytes,
                 timeout_s: float = 30.0) -> int:
-    """One HTTP/1.1 exchange on a fresh connection; the status code (0: the connection broke first)."""
+    """One HTTP/1.1 exchange on a fresh connection; the status code (0: the connection broke first).
+
+    The body goes out in pieces while the answer is read: a server that refuses a body by its
+    ``content-length`` answers before it has read it, and that answer is what counts."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    status = asyncio.ensure_future(reader.readline())
     try:
         head = [f"{method} {path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}", "connection: close",
                 *(f"{k}: {v}" for k, v in headers.items())]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-        with contextlib.suppress(ConnectionError, OSError):  # closed early (a body over its limit): read why
-            await writer.drain()
-        line = await asyncio.wait_for(reader.readline(), timeout_s)
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+        if len(body) > 1_048_576:  # a server that refuses by content-length answers at once
+            await asyncio.wait({status}, timeout=1.0)
+        for at in range(0, len(body), 65_536):
+            if status.done():
+                break
+            writer.write(body[at:at + 65_536])
+            try:
+                await writer.drain()
+            except (ConnectionError, OSError):
+                break
+        line = await asyncio.wait_for(status, timeout_s)
         parts = line.split()
         return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
     except (ConnectionError, OSError, TimeoutError):
         return 0
     finally:
+        status.cancel()
         writer.close()
         with contextlib.suppress(ConnectionError, OSError):
             await writer.wait_closed()
