@@ -295,7 +295,7 @@ async def test_the_only_worker_paused_past_its_session_timeout_while_redis_resta
     meanwhile is answered: none is left to its deadline in silence."""
     if not stack.redis_pid or not stack.kafka_pid:
         pytest.skip("needs the local stack's own Redis (KINFER_REDIS_URL names one this test did not start)")
-    # A batch takes 200 ms: the burst is still running and queued when the worker stops.
+    # A batch takes 200 ms: most of the burst is still queued when the worker stops.
     worker = spawn_worker(topics, "--family", "noop", "--option", "compute_ms=200", "--session-timeout-ms", "6000",
                           *NO_CODEL)
     rate, before_s, pause_s, after_s, burst = 40.0, 2.0, 8.0, 2.0, 100
@@ -322,8 +322,10 @@ async def test_the_only_worker_paused_past_its_session_timeout_while_redis_resta
 
         loading = asyncio.create_task(load())
         await asyncio.sleep(before_s)
+        fetched = worker.metric("kinfer_queue_wait_seconds_count")
         calls.extend(asyncio.create_task(one(f"burst-{i}")) for i in range(burst))
-        await asyncio.sleep(0.3)  # fetched: the first batch of it running, the rest queued
+        # All of it fetched: one batch of it runs, the rest is queued when the worker stops.
+        await worker.wait_metric("kinfer_queue_wait_seconds_count", fetched + burst)
         os.kill(worker.proc.pid, signal.SIGSTOP)
         paused = time.monotonic()
         try:
