@@ -19,7 +19,8 @@ connection. Tasks on one event loop, none of which awaits while changing shared 
     demand loop             (under ``memory_budget``) producers' notes that a cold model was wanted
 
 At-least-once: an offset is committed only after the reply for it (and for everything before it
-in its partition) has been published. Commits are coalesced: a worker that dies loses nothing, and
+in its partition) has been published (``consumers.offsets`` states the invariant and why it holds
+across rebalances). Commits are coalesced: a worker that dies loses nothing, and
 its partitions' new owner answers again what was answered since the last commit (at most
 ``commit_interval_ms`` of traffic, plus what was in flight). Replies are idempotent by request id.
 """

@@ -119,6 +119,19 @@ async def _stop_past_session_timeout(run: _Run) -> None:
     os.kill(worker.pid, signal.SIGCONT)
 
 
+async def _stop_with_redis_restart(run: _Run) -> None:
+    """The only worker paused past its session timeout while Redis dies and comes back: it resumes
+    with a backlog in Kafka, a stale Redis connection, and a group that no longer knows it."""
+    worker = run.workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        await _kill_redis_and_restart(run)
+        await asyncio.sleep(max(0.0, 8.0 - (time.monotonic() - started)))  # past the 6 s session timeout
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+
+
 async def _kill_broker_and_restart(run: _Run) -> None:
     os.kill(run.info.brokers[0].pid, signal.SIGKILL)
     await asyncio.sleep(2.0)
@@ -187,6 +200,7 @@ SCENARIOS = (
     Scenario("worker_sigkill_one_of_two", _kill_one_of_two),
     Scenario("worker_sigkill_only_and_restart", _kill_only_and_restart, workers=1),
     Scenario("worker_sigstop_past_session_timeout", _stop_past_session_timeout),
+    Scenario("worker_sigstop_with_redis_restart", _stop_with_redis_restart, workers=1),
     Scenario("broker_sigkill_and_restart", _kill_broker_and_restart),
     Scenario("redis_sigkill_and_restart", _kill_redis_and_restart),
     Scenario("one_broker_of_three_sigkilled", _kill_one_broker_of_three, brokers=3),

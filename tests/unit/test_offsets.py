@@ -36,6 +36,25 @@ def test_only_assigned_partitions_and_forget() -> None:
     assert t.committable() == {"a": 11}
 
 
+def test_a_commit_that_lands_after_a_later_one_is_followed_by_the_later_one_again() -> None:
+    """aiokafka retries a commit refused for a transient reason: an earlier position can land last, and
+    the broker keeps it. The tracker believes the broker, so the later position is offered again."""
+    t: OffsetTracker[str] = OffsetTracker()
+    for off in range(5):
+        t.track("p", off)
+    for off in range(3):
+        t.done("p", off)
+    early = t.committable()
+    t.done("p", 3)
+    t.done("p", 4)
+    late = t.committable()
+    assert (early, late) == ({"p": 3}, {"p": 5})
+    t.mark_committed(late)
+    assert t.committable() == {}
+    t.mark_committed(early)  # answered last: the broker now holds 3
+    assert t.committable() == {"p": 5}
+
+
 @given(st.lists(st.integers(0, 50), unique=True, min_size=1), st.data())
 def test_commit_position_is_safe(offsets: list[int], data: st.DataObject) -> None:
     t: OffsetTracker[str] = OffsetTracker()
