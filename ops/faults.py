@@ -17,7 +17,9 @@ goes unanswered is a loss, not a late answer.
 ``duplicates_delivered`` counts calls that got an answer that was not theirs or a second one
 (the client drops repeats: ``duplicates_dropped``); ``recovery_s`` is how long the fault's effect
 lasted: from the fault to the completion of the last request that took more than a second;
-``worker_exits`` counts workers that died without being killed by the scenario.
+``worker_exits`` counts workers that died without being killed by the scenario; ``processes_died``
+adds the other kinfer processes a scenario ran (the ``hostile`` one runs a lag monitor, a telemetry
+stream and a gateway beside the workers, and sends them everything ``ops.hostile`` knows).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
-from kinfer.ops.procs import spawn_worker, stop_process, wait_until_served
-from kinfer.ops.stack import LocalStack, StackInfo
+from kinfer.ops import hostile
+from kinfer.ops.procs import spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.stack import LocalStack, StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics import DeadlineExceeded, KinferError, Priority, ReplyRoute, Request, now_ms, pack
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
@@ -71,6 +74,8 @@ class _Run:
     worker_args: tuple[str, ...]
     workers: list[Popen[bytes]] = field(default_factory=list)
     killed: set[int] = field(default_factory=set)
+    others: list[Popen[bytes]] = field(default_factory=list)  # other kinfer processes a fault started
+    notes: dict[str, Any] = field(default_factory=dict)  # what a fault reports beside the counts
 
     def spawn(self) -> Popen[bytes]:
         proc = spawn_worker(self.info, self.model, *self.worker_args,
@@ -196,6 +201,26 @@ async def _malformed_replies(run: _Run) -> None:
         await producer.stop()
 
 
+async def _hostile_tenant(run: _Run) -> None:
+    """Everything ``ops.hostile`` sends — at the workers, and at a lag monitor, a telemetry stream and a
+    gateway started beside them — while the valid load goes on around it."""
+    port = free_port()
+    side = str(run.log_dir / f"{run.model}-side.log")
+    run.others += [spawn(run.info, "lagmon", "--model", run.model, log_path=side),
+                   spawn(run.info, "telemetry", log_path=side),
+                   spawn(run.info, "gateway", "--port", str(port), log_path=side)]
+    await asyncio.sleep(5.0)  # they start while the load runs
+    target = hostile.Target(run.info.bootstrap, run.info.redis_url, run.model, tenant="faults",
+                            reply_channel=run.client.reply_channel, gateway=("127.0.0.1", port))
+    sent = hostile.Sent()
+    await hostile.attack_kafka(target, sent)
+    await hostile.attack_redis(target, sent)
+    statuses = await hostile.attack_gateway(target, sent)
+    run.notes["hostile_sent"] = sent.total
+    run.notes["hostile_refused_by_transport"] = len(sent.refused)
+    run.notes["http_5xx_or_broken"] = sorted(k for k, v in statuses.items() if v >= 500 or v == 0)
+
+
 SCENARIOS = (
     Scenario("worker_sigkill_one_of_two", _kill_one_of_two),
     Scenario("worker_sigkill_only_and_restart", _kill_only_and_restart, workers=1),
@@ -207,6 +232,7 @@ SCENARIOS = (
     Scenario("records_at_the_size_limit", _poison_records),
     Scenario("missing_reply_topics", _missing_reply_topic),
     Scenario("malformed_replies", _malformed_replies),
+    Scenario("hostile", _hostile_tenant),
 )
 
 
@@ -260,6 +286,7 @@ async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_
         await asyncio.gather(*tasks)
         slow_done = [c.done for c in calls if c.done - c.sent > SLOW_S and c.done >= fault_at]
         exits = sum(1 for w in run.workers if w.poll() is not None and w.pid not in run.killed)
+        died = exits + sum(1 for p in run.others if p.poll() is not None)
         report = {
             "offered": len(calls),
             "ok": sum(c.kind == "ok" for c in calls),
@@ -270,10 +297,12 @@ async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_
             "duplicates_dropped": client.duplicate_replies,
             "recovery_s": round(max(slow_done) - fault_at, 2) if slow_done else 0.0,
             "worker_exits": exits,
+            "processes_died": died,  # every kinfer process it ran that ended on its own
             "errors": _counts(c.error for c in calls if c.kind == "error"),
+            **run.notes,
         }
-        for worker in run.workers:
-            stop_process(worker)
+        for proc in (*run.workers, *run.others):
+            stop_process(proc)
         return report
 
 
