@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -265,6 +265,10 @@ def _with_tracker(tracker: type[OffsetTracker[str]]) -> type[WorkerModel]:
 @pytest.mark.parametrize("broken", [_with_tracker(_DoneOnForget), _with_tracker(_IgnoresOpen), _DoneBeforePublish],
                          ids=["done-on-forget", "ignores-open", "done-before-publish"])
 def test_the_model_finds_broken_bookkeeping(broken: type[WorkerModel]) -> None:
-    found = settings(SETTINGS, max_examples=400, report_multiple_bugs=False, phases=[Phase.generate])  # not shrunk
+    # Not shrunk, and not derandomized: a fixed seed, so that the examples do not depend on what the
+    # test session ran before (derandomized, this search came out differently after other modules).
+    found = settings(SETTINGS, max_examples=1_000, report_multiple_bugs=False, phases=[Phase.generate],
+                     derandomize=False, database=None)
+    broken = seed(20261202)(broken)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(broken, settings=found)
