@@ -55,7 +55,7 @@ from kinfer.consumers.cores import EngineCore, Job, Outcome, Outgoing, Work, bui
 from kinfer.consumers.intake import read_record
 from kinfer.consumers.observer import Observers
 from kinfer.consumers.offsets import OffsetTracker
-from kinfer.consumers.poison import CAREFUL_RECORDS, DeliveryGuard, Mark, Verdict, mark_text
+from kinfer.consumers.poison import CAREFUL_RECORDS, CarefulToken, DeliveryGuard, Verdict
 from kinfer.consumers.replies import Delivery, ReplySink
 from kinfer.consumers.runners import ModelSpec, Runner, build_runner
 from kinfer.consumers.runners.base import bring_in, default_executors, pick_device, set_threads
@@ -91,9 +91,10 @@ log = logging.getLogger(__name__)
 # caller has already given up with DeadlineExceeded, which is its terminal state.
 PUBLISH_GRACE_MS = 5_000
 
-# How long a refused record's dead letter, and then its courtesy reply, may take before the record is
-# done without it: its partition's commits wait for it meanwhile.
-REJECT_TIMEOUT_S = 5.0
+# How long a call beside the hot path may take: a refused record's dead letter, then its courtesy reply
+# (the record is done without them after that: its partition's commits wait meanwhile), reading and
+# writing the partitions' marks.
+SIDE_CALL_TIMEOUT_S = 5.0
 
 # A model whose swap failed (weights that do not load, a join the broker refused) is not tried again
 # before this long: the worker goes on serving the others.
@@ -141,7 +142,7 @@ class WorkerSettings:
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a container, for a scraper outside it
     drain_timeout_s: float = 30.0  # on SIGTERM, finish buffered work for at most this long
     # After an owner of a partition stopped without handing it over, its next owner works this many
-    # records one at a time, so that a record that stops workers is pinned down and dead-lettered
+    # records alone, one at a time, so that a record that stops workers is pinned down and dead-lettered
     # (``consumers.poison``). 0: off.
     careful_records: int = CAREFUL_RECORDS
     # The tenant registry (the gateway's tenants file): with it, a request's tenant must be listed and
@@ -246,11 +247,12 @@ class Worker:
         self.stats = StatsReporter(settings.worker_id)
         self.observer = Observers([PrometheusSink(), StatsSink(self.stats)])
         self.feeds: dict[str, _Feed] = {}
+        self._careful = CarefulToken()  # one careful record in flight in the whole worker, and it runs alone
         for spec in settings.models:
             runner = (runners or {}).get(spec.name) or build_runner(spec, settings.device)
             core = build_core(spec, runner, policy=settings.policy, gen_policy=settings.gen_policy,
                               worker_id=settings.worker_id, observer=self.observer)
-            self.feeds[spec.name] = _Feed(core, guard=DeliveryGuard(settings.careful_records))
+            self.feeds[spec.name] = _Feed(core, guard=DeliveryGuard(settings.careful_records, self._careful))
         self._fair: DeficitRoundRobin[str] = DeficitRoundRobin(settings.fair_quantum_ms / 1000.0)
         self._max_batch_s = settings.fair_quantum_ms / 1000.0 if len(self.feeds) > 1 else None
         for name in self.feeds:
@@ -622,7 +624,7 @@ class Worker:
                 for record in records:
                     verdict = feed.guard.verdict(tp, record.offset)
                     if verdict is Verdict.DEFER:  # careful: one record at a time, the rest fetched again
-                        consumer.seek(tp, record.offset)
+                        consumer.seek(tp, feed.guard.refetch_from(tp, record.offset))
                         break
                     feed.tracker.track(tp, record.offset)
                     if verdict is Verdict.MARK:  # careful: it runs once its in-flight mark is committed
@@ -656,24 +658,40 @@ class Worker:
             queue_ms = max(0.0, wall - record.timestamp)
             job = Job(request, tp, record.offset, queue_ms, now, now + (request.deadline_ms - wall) / 1000.0)
             self.observer.fetched(feed.name, request.priority, queue_ms / 1000.0)
-            if not feed.core.admit(job, now):
+            try:
+                admitted = feed.core.admit(job, now)
+            except InvalidRequest:
+                raise
+            except Exception as exc:  # a defect of the core or the runner: this record's refusal, not the end
+                log.exception("%s: admitting %s@%d failed", feed.name, tp.topic, record.offset)
+                raise InvalidRequest(f"the model could not take it ({type(exc).__name__})", "message") from exc
+            if not admitted:
                 feed.tracker.done(tp, record.offset)  # a copy of a request in progress: that one answers
+                self._commit_wake.set()
         except InvalidRequest as exc:
             self._spawn_tracked(self._reject(feed, tp, record.offset, value, exc))
 
     async def _marked_intake(self, feed: _Feed, tp: TopicPartition, priority: Priority,
                              record: ConsumerRecord[bytes, bytes]) -> None:
-        """A careful partition's record: its offset committed with the IN_FLIGHT mark, then taken in. Should
+        """A careful partition's record runs alone: once everything else in the worker is done (nothing
+        is fetched meanwhile), its offset is committed with the IN_FLIGHT mark, then it is taken in. Should
         it stop this worker, the next owner finds the mark on it and dead-letters it unread."""
+        while self._computing or any(f.core.has_work() for f in self.feeds.values()):
+            self._settled.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), 0.5)
         consumer = feed.consumer
-        if consumer is not None:
-            try:
-                mark = OffsetAndMetadata(record.offset, feed.guard.in_flight_mark(tp))
-                await asyncio.wait_for(consumer.commit({tp: mark}), REJECT_TIMEOUT_S)
-            except (CommitFailedError, KafkaError, TimeoutError) as exc:
-                log.warning("%s: in-flight mark of %s@%d failed: %s", feed.name, tp.topic, record.offset, exc)
-        self._intake(feed, tp, priority, record, time.monotonic(), now_ms())
-        self._wake.set()
+        if consumer is None or tp not in consumer.assignment() or feed.guard.in_flight(tp) != record.offset:
+            return  # revoked meanwhile: its next owner fetches it again
+        try:
+            mark = OffsetAndMetadata(record.offset, feed.guard.in_flight_mark(tp))
+            await asyncio.wait_for(consumer.commit({tp: mark}), SIDE_CALL_TIMEOUT_S)
+            feed.tracker.mark_committed({tp: record.offset})
+        except (CommitFailedError, KafkaError, TimeoutError) as exc:
+            log.warning("%s: in-flight mark of %s@%d failed: %s", feed.name, tp.topic, record.offset, exc)
+        if tp in consumer.assignment() and feed.guard.in_flight(tp) == record.offset:
+            self._intake(feed, tp, priority, record, time.monotonic(), now_ms())
+            self._wake.set()
 
     def _flow_control(self, feed: _Feed, consumer: AIOKafkaConsumer) -> None:
         """Kafka is the queue: the in-process buffer is bounded, with room kept for urgent work.
@@ -692,7 +710,9 @@ class Worker:
                 held.add(prio)
             elif buffered <= share * cap - cap / 8:
                 held.discard(prio)
-        guarded = feed.guard.held()  # marks not read yet, or a careful partition's record in flight
+        # Marks not read yet, careful partitions while a careful record is in flight; and while one is,
+        # nothing else at all: it runs alone.
+        guarded = set(consumer.assignment()) if feed.guard.quiet else feed.guard.held()
         if held == feed.held and not held and not guarded and not consumer.paused():
             return
         changed, feed.held = held != feed.held, held
@@ -712,14 +732,14 @@ class Worker:
     ) -> None:
         """Dead-letter a record, tell its sender why when its id and route can be read, then let it commit.
 
-        Bounded and total: the dead letter and the courtesy reply each get ``REJECT_TIMEOUT_S``, and
+        Bounded and total: the dead letter and the courtesy reply each get ``SIDE_CALL_TIMEOUT_S``, and
         whatever goes wrong with them, the record is done — a record that could not even be refused
         must not hold its partition, nor end the worker."""
         assert self._sink is not None
         source = f"{tp.topic}/{tp.partition}@{offset}"
         log.warning("dead-lettering %s: %s", source, exc)
         try:
-            await asyncio.wait_for(self._sink.dead_letter(value, str(exc), exc.field, source), REJECT_TIMEOUT_S)
+            await asyncio.wait_for(self._sink.dead_letter(value, str(exc), exc.field, source), SIDE_CALL_TIMEOUT_S)
         except (Unavailable, TimeoutError) as error:  # dropped, not retried forever: it would pin its partition
             log.error("dead letter of %s not sent: %s", source, error or "timed out")
         except Exception:
@@ -731,7 +751,7 @@ class Worker:
             result = Result(rid, feed.name, Status.INVALID, error=str(exc), worker=self.settings.worker_id,
                             field=exc.field)
             try:  # the DLQ has it; the reply is a courtesy
-                await asyncio.wait_for(self._sink.publish([Delivery(route, result, key=key)]), REJECT_TIMEOUT_S)
+                await asyncio.wait_for(self._sink.publish([Delivery(route, result, key=key)]), SIDE_CALL_TIMEOUT_S)
             except (Unavailable, TimeoutError):
                 pass
             except Exception:
@@ -899,16 +919,17 @@ class Worker:
                      else feed.tracker.committable(assigned))
         if not positions:
             return
-        handed = mark_text(Mark.HANDED)
+        mark = feed.guard.handing if handing else feed.guard.metadata
         try:
-            await consumer.commit({tp: OffsetAndMetadata(pos, handed if handing else feed.guard.metadata(tp))
-                                   for tp, pos in positions.items()})
+            await consumer.commit({tp: OffsetAndMetadata(pos, mark(tp, pos)) for tp, pos in positions.items()})
             feed.tracker.mark_committed(positions)
             for tp, pos in positions.items():
                 feed.guard.committed(tp, pos)
         except (CommitFailedError, KafkaError) as exc:
             # A rebalance took the partitions away; their new owner re-answers from the last commit.
             log.warning("%s: commit of %s failed: %s", feed.name, positions, exc)
+            if feed.guard.awaiting_commit():  # a careful record waits for this commit: try again soon
+                asyncio.get_running_loop().call_later(0.5, self._commit_wake.set)
 
     async def on_assigned(self, feed: _Feed, assigned: set[TopicPartition]) -> None:
         """Take the partitions: read the mark their last owner left (``consumers.poison``), fetching nothing
@@ -916,17 +937,17 @@ class Worker:
         consumer = feed.consumer
         feed.guard.assigning(assigned)
         if consumer is None or not assigned:
-            feed.guard.assigned({})
+            feed.guard.forget(assigned)
             return
         consumer.pause(*assigned)  # until the marks are read; flow control resumes them
         marks: dict[TopicPartition, tuple[int, str | None]] = {tp: (-1, None) for tp in assigned}
         try:
             assert self._admin is not None
             found = await asyncio.wait_for(self._admin.list_consumer_group_offsets(
-                consumer_group(feed.name), partitions=list(assigned)), REJECT_TIMEOUT_S)
+                consumer_group(feed.name), partitions=list(assigned)), SIDE_CALL_TIMEOUT_S)
             marks.update({tp: (meta.offset, meta.metadata) for tp, meta in found.items() if tp in assigned})
             if fresh := [tp for tp, (position, _) in marks.items() if position < 0]:  # never committed: the
-                starts = await asyncio.wait_for(consumer.beginning_offsets(fresh), REJECT_TIMEOUT_S)  # log's start
+                starts = await asyncio.wait_for(consumer.beginning_offsets(fresh), SIDE_CALL_TIMEOUT_S)  # log's start
                 marks.update({tp: (starts[tp], None) for tp in fresh if tp in starts})
         except (KafkaError, TimeoutError, OSError) as exc:
             log.warning("%s: reading the partitions' marks failed, taking them unmarked: %s", feed.name, exc)
@@ -934,10 +955,11 @@ class Worker:
         careful = [tp for tp in assigned if feed.guard.careful(tp)]
         if careful:
             log.warning("%s: %d partitions' last owner stopped without handing them over: working their next "
-                        "%d records one at a time", feed.name, len(careful), self.settings.careful_records)
+                        "%d records alone", feed.name, len(careful), self.settings.careful_records)
         if taken:
             try:
                 await consumer.commit({tp: OffsetAndMetadata(pos, meta) for tp, (pos, meta) in taken.items()})
+                feed.tracker.mark_committed({tp: pos for tp, (pos, _) in taken.items()})
             except (CommitFailedError, KafkaError) as exc:
                 log.warning("%s: marking the partitions taken failed: %s", feed.name, exc)
         self._wake.set()

@@ -122,7 +122,7 @@ WORKER_FLAGS = {
     "fair_quantum_ms": "co-located models: compute per turn, and the longest batch one may run",
     "drain_timeout_s": "on SIGTERM, finish buffered work for at most this long",
     "careful_records": "after a partition's owner stopped without handing it over, its next records are worked "
-                       "one at a time, so a record that stops workers is dead-lettered after at most two (0: off)",
+                       "alone, one at a time, so a record that stops workers is dead-lettered after two (0: off)",
     "metrics_port": "serve Prometheus metrics on this port",
     "metrics_host": "address the metrics endpoint binds (0.0.0.0 in a container)",
     "tenants": "tenants file (the gateway's): refuse requests of unlisted tenants or above their priority "

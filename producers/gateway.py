@@ -403,7 +403,8 @@ class _Gateway:
     async def readyz(self, request: Request) -> Response:
         status = await self.client.ping()
         models = await self.client.models() if status["kafka"] else []
-        ready = status["kafka"] and status["redis"] and status["replies"] and bool(models)
+        # Ready only with every reader running: reply readers, and the health watch admission obeys.
+        ready = status["kafka"] and status["redis"] and status["replies"] and status["health"] and bool(models)
         return json_response({**status, "models": models, "ready": ready}, 200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
