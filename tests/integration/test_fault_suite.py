@@ -15,6 +15,7 @@ pytestmark = pytest.mark.integration
 
 SCENARIOS = (
     "worker_sigstop_past_session_timeout",
+    "worker_sigstop_with_redis_restart",  # the only worker paused past its session timeout while Redis restarts
     "broker_sigkill_and_restart",
     "redis_sigkill_and_restart",
     "records_at_the_size_limit",
