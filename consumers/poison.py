@@ -46,7 +46,7 @@ _PREFIX = "kinfer:"
 # Records of each partition worked alone after its owner stopped without handing it over: enough to
 # cover what an owner has fetched and not committed (commits go out every 100 ms), few enough that
 # the next owner's careful stretch over a dozen partitions takes seconds, not minutes.
-CAREFUL_RECORDS = 32
+CAREFUL_RECORDS = 16
 
 
 class Mark(enum.Enum):
@@ -243,6 +243,9 @@ class DeliveryGuard(Generic[TP]):
 
     def careful(self, tp: TP) -> bool:
         return tp in self._careful
+
+    def careful_any(self) -> bool:
+        return bool(self._careful)
 
     def awaiting_commit(self) -> bool:
         """A careful record is done or running here: its commit goes out at once, not coalesced."""

@@ -608,7 +608,10 @@ class Worker:
             # whole fetch, and a model asked to give up the device would first have to finish all of it.
             room = max(1, min(cap - feed.core.buffered(), self.settings.fetch_max_records))
             try:
-                data = await consumer.getmany(timeout_ms=100, max_records=room)
+                # A careful stretch waits on every record's commit with every partition paused: poll
+                # often then, so the next record is fetched as soon as the token is free.
+                poll_ms = 5 if feed.guard.careful_any() or self._careful.busy else 100
+                data = await consumer.getmany(timeout_ms=poll_ms, max_records=room)
                 backoff.reset()
             except KafkaError as exc:
                 log.warning("%s: fetch failed, retrying: %s", feed.name, exc)
