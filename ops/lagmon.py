@@ -33,7 +33,7 @@ from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
 from kinfer.ops.health import HealthEstimator, HealthPolicy, clamp_ms
-from kinfer.topics import MalformedRecord, now_ms
+from kinfer.topics import now_ms
 from kinfer.topics.admin import TopicSpec, ensure_topics, group_members, offset_clients, read_offsets_many
 from kinfer.topics.connect import kafka_options
 from kinfer.topics.health import (
@@ -47,7 +47,7 @@ from kinfer.topics.health import (
     health_key,
 )
 from kinfer.topics.names import consumer_group, served_models
-from kinfer.topics.readers import Supervised, refused
+from kinfer.topics.readers import Supervised, read
 from kinfer.topics.record import MAX_SKEW_MS
 from kinfer.topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
 from kinfer.topics.stats import ModelStats, stats_key
@@ -264,15 +264,7 @@ def _unexport(model: str) -> None:
 
 def read_stats(data: object, now: int, reader: str = "lagmon-stats") -> ModelStats | None:
     """A telemetry summary off Redis, or None (counted) when it does not decode or is dated ahead."""
-    try:
-        stats = ModelStats.unpack(data)
-    except MalformedRecord as exc:
-        refused(reader, exc)
-        return None
-    if stats.updated_ms > now + MAX_SKEW_MS:
-        refused(reader, "future")
-        return None
-    return stats
+    return read(ModelStats, data, reader, now)
 
 
 def read_residency(raw: Mapping[bytes, object], now: int,
@@ -283,16 +275,8 @@ def read_residency(raw: Mapping[bytes, object], now: int,
     saying goodbye)."""
     reports, gone = [], []
     for worker, data in raw.items():
-        try:
-            report = WorkerResidency.unpack(data)
-        except MalformedRecord as exc:
-            refused(reader, exc)
-            gone.append(worker)
-            continue
-        if report.updated_ms > now + MAX_SKEW_MS:
-            refused(reader, "future")
-            gone.append(worker)
-        elif now - report.updated_ms > RESIDENCY_FORGET_MS:
+        report = read(WorkerResidency, data, reader, now)
+        if report is None or now - report.updated_ms > RESIDENCY_FORGET_MS:
             gone.append(worker)
         else:
             reports.append(report)

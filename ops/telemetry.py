@@ -38,11 +38,11 @@ from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
 from kinfer.batcher import Reason
-from kinfer.topics import MalformedRecord, now_ms
+from kinfer.topics import now_ms
 from kinfer.topics.admin import cluster_replication
 from kinfer.topics.connect import KafkaAuth
-from kinfer.topics.readers import refused
-from kinfer.topics.record import MAX_COUNT, MAX_DURATION_MS, MAX_RATE_RPS, MAX_SKEW_MS
+from kinfer.topics.readers import read, refused
+from kinfer.topics.record import MAX_COUNT, MAX_DURATION_MS, MAX_RATE_RPS
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, ModelStats, size_bucket, stats_key
 
 log = logging.getLogger(__name__)
@@ -85,13 +85,8 @@ class Aggregator:
 
     def add(self, value: object, now: int) -> bool:
         """Count one record of ``kinfer.stats``; False (and counted by reason) when it was skipped."""
-        try:
-            s = BatchStats.unpack(value)
-        except MalformedRecord as exc:
-            refused(READER, exc)
-            return False
-        if s.at_ms > now + MAX_SKEW_MS:
-            refused(READER, "future")
+        s = read(BatchStats, value, READER, now)
+        if s is None:
             return False
         if s.model not in self.models and not self._room_for_model(now):
             refused(READER, "capacity")

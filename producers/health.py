@@ -19,10 +19,10 @@ from redis.exceptions import RedisError
 
 from kinfer.producers import metrics
 from kinfer.producers.replies import stop_task
-from kinfer.topics import MalformedRecord, now_ms
+from kinfer.topics import now_ms
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.health import HEALTH_CHANNEL, HealthState, Level
-from kinfer.topics.readers import Supervised, refused
+from kinfer.topics.readers import Supervised, read
 from kinfer.topics.record import MAX_SKEW_MS
 
 log = logging.getLogger(__name__)
@@ -62,14 +62,8 @@ class HealthWatch:
 
     def accept(self, data: object, now: int) -> HealthState | None:
         """One message off the channel: the state it holds, now the model's latest, or None (counted)."""
-        try:
-            state = HealthState.unpack(data)
-        except MalformedRecord as exc:
-            refused(READER, exc)
-            return None
-        if state.updated_ms > now + MAX_SKEW_MS:
-            metrics.IGNORED_HEALTH.labels("future").inc()
-            refused(READER, "future")
+        state = read(HealthState, data, READER, now)  # counted when refused, "future" among the reasons
+        if state is None:
             return None
         previous = self._states.get(state.model)
         if previous is None:

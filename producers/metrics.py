@@ -25,10 +25,6 @@ FORGED_REPLIES = Counter(
     "kinfer_client_forged_replies_total",
     "Messages on this process's own reply channel not sealed with its key (dropped)",
 )
-IGNORED_HEALTH = Counter(
-    "kinfer_client_health_ignored_total", "Health states ignored, by reason (future: beyond the clock-skew bound)",
-    ["reason"],
-)
 REPLIES_REFUSED = Counter(
     "kinfer_client_replies_refused_total",
     "Reply messages a reader dropped, by reader (redis, kafka) and reason (oversize, malformed, unsealed, "

@@ -41,6 +41,7 @@ class HealthState(Record, frozen=True):
     is the reader's to judge (``MAX_SKEW_MS``)."""
 
     max_bytes = 4_096  # one state is ~300 bytes
+    dated_by = "updated_ms"
 
     model: ModelName
     level: Level

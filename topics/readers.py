@@ -17,11 +17,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from prometheus_client import Counter, Gauge
 
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.errors import MalformedRecord
+from kinfer.topics.record import MAX_SKEW_MS, Record
+
+R = TypeVar("R", bound=Record)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,21 @@ READER_RESTARTS = Counter(
 def refused(reader: str, reason: str | MalformedRecord) -> None:
     """Count one message ``reader`` skipped (``reason``: a word, or the refusal that says it)."""
     MALFORMED.labels(reader, reason.reason if isinstance(reason, MalformedRecord) else reason).inc()
+
+
+def read(kind: type[R], data: object, reader: str, now_ms: int) -> R | None:
+    """The ``kind`` record in one message, or None, counted by ``reader`` and reason: it does not
+    decode, or it is dated (``kind.dated_by``) more than ``MAX_SKEW_MS`` ahead of ``now_ms`` — a record
+    from the future would never go stale."""
+    try:
+        record = kind.unpack(data)
+    except MalformedRecord as exc:
+        refused(reader, exc)
+        return None
+    if kind.dated_by is not None and getattr(record, kind.dated_by) > now_ms + MAX_SKEW_MS:
+        refused(reader, "future")
+        return None
+    return record
 
 
 class Supervised:

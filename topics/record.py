@@ -63,6 +63,8 @@ _encoder = msgspec.msgpack.Encoder()
 class Record(msgspec.Struct, frozen=True):
     # The largest encoded record ``unpack`` reads; a record class whose records are small says so.
     max_bytes: ClassVar[int] = MAX_RECORD_BYTES
+    # The wall-clock field that dates a record, if it has one: a reader refuses one dated ahead of it.
+    dated_by: ClassVar[str | None] = None
     _decoders: ClassVar[dict[type, msgspec.msgpack.Decoder[Any]]] = {}
 
     def pack(self) -> bytes:

@@ -45,6 +45,7 @@ class WorkerResidency(Record, frozen=True):
     fresh (``RESIDENCY_FRESH_MS``) or dated ahead of now (``MAX_SKEW_MS``) is the reader's to judge."""
 
     max_bytes = 65_536  # MAX_MODELS_PER_WORKER entries of ~150 bytes, and room
+    dated_by = "updated_ms"
 
     worker: WorkerName
     updated_ms: WallMs

@@ -55,6 +55,7 @@ class BatchStats(Record, frozen=True):
     their patterns, at most ``MAX_LABELS`` shed reasons."""
 
     max_bytes = 4_096  # one record is ~200 bytes
+    dated_by = "at_ms"
 
     model: ModelName
     worker: WorkerName
@@ -77,6 +78,7 @@ class ModelStats(Record, frozen=True):
     """One model's recent throughput and service time, over the last one or two windows."""
 
     max_bytes = 4_096
+    dated_by = "updated_ms"
 
     model: ModelName
     window_s: Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0)]

@@ -269,10 +269,11 @@ async def test_forged_replies_health_tenants_and_priorities_are_refused(secure: 
         assert (await call).outputs == [len("real")]  # the real answer, not the forged one
 
         # 2. Forged health: "rejecting", dated an hour ahead. The client ignores it and still serves p1.
-        ignored = REGISTRY.get_sample_value("kinfer_client_health_ignored_total", {"reason": "future"}) or 0.0
+        future = {"reader": "health-watch", "reason": "future"}
+        ignored = REGISTRY.get_sample_value("kinfer_malformed_records_total", future) or 0.0
         state = HealthState(model=MODEL, level=Level.REJECTING, predicted_wait_ms=1e6, retry_after_ms=60_000,
                             lag=10_000, arrival_rps=0.0, drain_rps=0.0, updated_ms=now_ms() + 3_600_000)
-        while (REGISTRY.get_sample_value("kinfer_client_health_ignored_total", {"reason": "future"}) or 0) == ignored:
+        while (REGISTRY.get_sample_value("kinfer_malformed_records_total", future) or 0) == ignored:
             await forger.publish(HEALTH_CHANNEL, state.pack())
             await asyncio.sleep(0.05)
         assert victim.health(MODEL) is None
