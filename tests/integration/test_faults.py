@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from redis.asyncio.client import PubSub
 
 from kinfer.ops.procs import wait_until_served
 from kinfer.ops.stack import StackInfo
@@ -23,6 +24,7 @@ from kinfer.topics import (
     Priority,
     ReplyRoute,
     Request,
+    Result,
     Status,
     decode_result,
     now_ms,
@@ -58,6 +60,16 @@ async def dead_letters_from(bootstrap: str, model: str, want: int, timeout_s: fl
         await consumer.stop()
 
 
+async def first_result(sub: PubSub, timeout_s: float) -> Result | None:
+    """The first result published on ``sub``'s channel within ``timeout_s`` (None: nothing came)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = await sub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+        if msg is not None:
+            return decode_result(msg["data"])
+    return None
+
+
 async def test_bad_records_go_to_the_dead_letter_topic_and_the_worker_keeps_answering(
     client: Client, stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
 ) -> None:
@@ -81,12 +93,7 @@ async def test_bad_records_go_to_the_dead_letter_topic_and_the_worker_keeps_answ
         finally:
             await producer.stop()
         # The over-limit request named its reply route, so its caller hears why it was refused.
-        reply = None
-        for _ in range(200):
-            msg = await sub.get_message(ignore_subscribe_messages=True, timeout=0.1)
-            if msg is not None:
-                reply = decode_result(msg["data"])
-                break
+        reply = await first_result(sub, timeout_s=20.0)
         assert reply is not None and reply.id == "too-big" and reply.status is Status.INVALID
         assert "over the limit of 16384" in (reply.error or "")
 

@@ -16,10 +16,10 @@ from aiokafka import AIOKafkaProducer
 
 from kinfer.ops.stack import StackInfo
 from kinfer.producers import Client
-from kinfer.topics import Priority, ReplyRoute, Request, Status, decode_result, now_ms, pack
+from kinfer.topics import Priority, ReplyRoute, Request, Status, now_ms, pack
 from kinfer.topics.names import request_topic
 from tests.integration.conftest import WorkerProcess
-from tests.integration.test_faults import NO_CODEL, dead_letters_from
+from tests.integration.test_faults import NO_CODEL, dead_letters_from, first_result
 
 pytestmark = pytest.mark.integration
 
@@ -50,12 +50,7 @@ async def test_a_record_that_kills_workers_stops_two_at_most(
         assert second.proc.returncode == 70
         assert "records alone" in second.log()
         third = spawn_worker(topics, *args)  # finds the mark on it: dead-lettered, never run
-        reply = None
-        for _ in range(1200):
-            msg = await sub.get_message(ignore_subscribe_messages=True, timeout=0.1)
-            if msg is not None:
-                reply = decode_result(msg["data"])
-                break
+        reply = await first_result(sub, timeout_s=120.0)
         assert reply is not None and reply.id == "poison" and reply.status is Status.INVALID, reply
         assert "stopped 2 workers" in (reply.error or "")
     letters = await dead_letters_from(stack.bootstrap, topics, want=1)
