@@ -11,16 +11,13 @@ with its traceback, never a crash.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from kinfer.topics import DEFAULT_LIMITS, InvalidRequest, Limits, Request, decode_request
-from kinfer.topics.auth import Verifier
+from kinfer.topics.auth import Headers, Verifier
 from kinfer.topics.names import Priority
 
 log = logging.getLogger(__name__)
-
-Headers = Sequence[tuple[str, bytes | None]]
-
 
 def read_record(
     value: bytes | None,
