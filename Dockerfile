@@ -39,9 +39,9 @@ ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PATH=/opt/kinfer/bin:$PATH \
     KINFER_HOME=/home/kinfer/.kinfer KINFER_CACHE=/home/kinfer/.cache/kinfer
 COPY --from=build /opt/kinfer /opt/kinfer
 COPY LICENSE /app/LICENSE
-COPY ops/docker-entrypoint.sh /app/ops/docker-entrypoint.sh
+COPY ops/deploy/docker-entrypoint.sh /app/ops/deploy/docker-entrypoint.sh
 # The gateway's tenants file: the example's placeholder key admits nobody; mount your own over it.
-COPY ops/tenants.example.json /etc/kinfer/tenants.json
+COPY ops/deploy/tenants.example.json /etc/kinfer/tenants.json
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin kinfer
 WORKDIR /app
 
@@ -49,10 +49,10 @@ WORKDIR /app
 USER kinfer
 # 8000: the gateway; 9100-9103: Prometheus metrics of the worker, lag monitor, autoscaler, telemetry.
 EXPOSE 8000 9100 9101 9102 9103
-# Whatever the role: the gateway's /healthz, else the command's metrics port (ops/healthcheck.py).
+# Whatever the role: the gateway's /healthz, else the command's metrics port (ops/deploy/healthcheck.py).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "kinfer.ops.healthcheck"]
+    CMD ["python", "-m", "kinfer.ops.deploy.healthcheck"]
 # Secrets from files (KINFER_KAFKA_PASSWORD_FILE, KINFER_SIGNING_SECRET_FILE, KINFER_REDIS_PASSWORD_FILE:
 # docker-compose.yml), then the command; without them it only runs the command.
-ENTRYPOINT ["/bin/sh", "/app/ops/docker-entrypoint.sh"]
+ENTRYPOINT ["/bin/sh", "/app/ops/deploy/docker-entrypoint.sh"]
 CMD ["kinfer", "gateway", "--host", "0.0.0.0", "--port", "8000", "--tenants", "/etc/kinfer/tenants.json"]

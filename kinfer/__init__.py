@@ -7,7 +7,7 @@ One namespace for the installed distribution. The repository keeps its five fold
 - ``kinfer.batcher``: pure scheduling (no I/O, no clock)
 - ``kinfer.producers``: the client library and the HTTP gateway
 - ``kinfer.consumers``: the worker and its model runners
-- ``kinfer.ops``: the ``kinfer`` command line, the local stack, monitoring, benchmarks
+- ``kinfer.ops``: running it: the command line, the control plane, capacity, deployment, the local stack, benchmarks
 
 State and caches live in per-user folders (``kinfer.topics.paths``), never beside the code.
 """

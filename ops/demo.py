@@ -12,10 +12,10 @@ import signal
 
 import redis.asyncio as aioredis
 
-from kinfer.ops.load import LoadReport, make_texts, open_loop
-from kinfer.ops.procs import spawn, spawn_worker, stop_process, wait_until_served
-from kinfer.ops.stack import LocalStack, StackInfo
-from kinfer.ops.status import render, snapshot
+from kinfer.ops.bench.load import LoadReport, make_texts, open_loop
+from kinfer.ops.control.status import render, snapshot
+from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.localstack.stack import LocalStack, StackInfo
 from kinfer.producers import Client
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 

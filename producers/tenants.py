@@ -6,7 +6,7 @@ management without being a secret itself:
     {"tenants": [{"name": "search", "key_sha256": "<hex>", "rate_per_s": 50, "burst": 100,
                   "max_priority": 0}]}
 
-``kinfer gateway --hash-key KEY`` prints the hash of a key; ``ops/tenants.example.json`` is a
+``kinfer gateway --hash-key KEY`` prints the hash of a key; ``ops/deploy/tenants.example.json`` is a
 commented example. A tenant's name is also its rate-limit key: gateways sharing a Redis share one
 bucket per tenant (``producers.ratelimit``), and the pure ``TokenBucket`` here is each gateway's
 fallback while Redis does not answer. The bucket is pure (``now`` is passed in), so its behaviour is

@@ -15,6 +15,7 @@ or ``rediss://...?ssl_ca_certs=/path/ca.pem`` for TLS. Every aiokafka client in 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 from collections.abc import Mapping
@@ -98,3 +99,21 @@ def _ssl_context(ca_file: str | None) -> ssl.SSLContext:
 def kafka_options(bootstrap: str, **extra: Any) -> dict[str, Any]:
     """``bootstrap_servers`` plus this process's Kafka security settings, plus ``extra``."""
     return {"bootstrap_servers": bootstrap, **KafkaAuth.from_env().options(), **extra}
+
+
+async def tls_closes_settled(timeout_s: float = 1.0) -> None:
+    """Wait (at most ``timeout_s``) until this event loop has no connection left open.
+
+    aiokafka closes a TLS connection (its bootstrap connection, for one) without waiting for the TLS
+    shutdown to finish; an ``asyncio.run`` that ends at once leaves the socket to the garbage
+    collector (a ResourceWarning, an error in the tests). Await this last in such a coroutine.
+    """
+    loop = asyncio.get_running_loop()
+    transports = getattr(loop, "_transports", None)  # the selector loop's open transports, by fd
+    if transports is None:
+        await asyncio.sleep(0.1)
+        return
+    for _ in range(max(1, int(timeout_s / 0.01))):  # polled: closing transports signal nothing to wait on
+        if not len(transports):
+            return
+        await asyncio.sleep(0.01)

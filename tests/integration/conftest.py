@@ -22,8 +22,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from prometheus_client.parser import text_string_to_metric_families
 
-from kinfer.ops.secure import ensure_secure_dir
-from kinfer.ops.stack import LocalStack, StackInfo, free_port
+from kinfer.ops.deploy.secure import ensure_secure_dir
+from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 from kinfer.topics.names import request_topics

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kinfer.ops.autoscale_bench import Trace, bench_autoscale
-from kinfer.ops.scaling import ScalePolicy
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.bench.autoscale import Trace, bench_autoscale
+from kinfer.ops.control.scaling import ScalePolicy
+from kinfer.ops.localstack.stack import StackInfo
 
 pytestmark = pytest.mark.integration
 

@@ -11,11 +11,11 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import REGISTRY
 
-from kinfer.ops.health import HealthPolicy
-from kinfer.ops.lagmon import LagMonitor
-from kinfer.ops.procs import wait_until_served
-from kinfer.ops.stack import StackInfo
-from kinfer.ops.status import render, snapshot
+from kinfer.ops.control.estimator import HealthPolicy
+from kinfer.ops.control.lagmon import LagMonitor
+from kinfer.ops.control.status import render, snapshot
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import Overloaded, Priority
 from kinfer.topics.health import Level

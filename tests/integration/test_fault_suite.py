@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kinfer.ops.faults import bench_faults
+from kinfer.ops.bench.faults import bench_faults
 
 pytestmark = pytest.mark.integration
 

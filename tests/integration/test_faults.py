@@ -16,8 +16,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from redis.asyncio.client import PubSub
 
-from kinfer.ops.procs import wait_until_served
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import (
     DeadlineExceeded,

@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from kinfer.consumers.runners.registry import minilm_path
 from kinfer.consumers.runners.tinylm import build_tiny_classifier, build_tiny_lm
-from kinfer.ops.procs import wait_until_served
-from kinfer.ops.stack import StackInfo, free_port
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.producers.gateway import GatewaySettings, create_app
 from kinfer.producers.http import MAX_BODY_BYTES, MAX_FRAME_BYTES, guarded_protocol

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kinfer.consumers.runners.tinylm import build_tiny_lm
-from kinfer.ops.procs import wait_until_served
+from kinfer.ops.localstack.procs import wait_until_served
 from kinfer.producers import Client
 from tests.integration.conftest import WorkerProcess
 

@@ -1,7 +1,7 @@
 """A hostile tenant on a live secure stack: every class of bad input, everywhere it may write.
 
 As the tenant ``demo`` (its own Kafka and Redis credentials and its signing key, as ``kinfer stack env
---principal tenant-demo`` hands them out, and an API key at the gateway), ``kinfer.ops.hostile`` sends
+--principal tenant-demo`` hands them out, and an API key at the gateway), ``kinfer.ops.bench.hostile`` sends
 what takes decoders down — nesting to 100,000 levels in every field, million-element containers,
 non-finite and extreme numbers, random bytes, tombstones, records at the size limit, reply routes
 aimed at control channels, sampling parameters that break softmax, forged chat turns — on the request
@@ -26,13 +26,13 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from kinfer.ops import hostile
-from kinfer.ops.stack import StackInfo, apply_tenant_acls, free_port, tls_closes_settled
+from kinfer.ops.bench import hostile
+from kinfer.ops.localstack.stack import StackInfo, apply_tenant_acls, free_port
 from kinfer.producers import Client
 from kinfer.producers.tenants import hash_key
 from kinfer.topics import KinferError
 from kinfer.topics.auth import signer_from_env
-from kinfer.topics.connect import kafka_options
+from kinfer.topics.connect import kafka_options, tls_closes_settled
 from kinfer.topics.health import HEALTH_TOPIC
 from kinfer.topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, request_topic
 from kinfer.topics.stats import STATS_TOPIC

@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kinfer.consumers.runners.noop import NoopRunner
 from kinfer.consumers.runners.registry import ModelSpec
 from kinfer.consumers.worker import Worker, WorkerSettings
-from kinfer.ops.lagmon import LagMonitor
-from kinfer.ops.stack import StackInfo
-from kinfer.ops.status import snapshot
+from kinfer.ops.control.lagmon import LagMonitor
+from kinfer.ops.control.status import snapshot
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import Status, now_ms
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs

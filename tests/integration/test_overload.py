@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kinfer.ops.procs import wait_until_served
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
 from kinfer.topics.admin import ensure_topics, model_topic_specs

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from kinfer.ops.overload import bench_overload
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.bench.overload import bench_overload
+from kinfer.ops.localstack.stack import StackInfo
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import Priority, ReplyRoute, Request, Status, now_ms, pack
 from kinfer.topics.names import request_topic

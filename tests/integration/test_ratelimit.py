@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
-from kinfer.ops.stack import StackInfo, free_port
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers.gateway import GatewaySettings, create_app
 from kinfer.producers.ratelimit import KEY_PREFIX, LOCAL_DECISIONS, RedisRateLimiter
 from kinfer.producers.tenants import Tenant, Tenants, hash_key

@@ -14,8 +14,8 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from kinfer.ops.procs import wait_until_served
-from kinfer.ops.stack import LocalStack, StackInfo
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import LocalStack, StackInfo
 from kinfer.producers import Client
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 from kinfer.topics.names import request_topic

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from kinfer.ops.procs import wait_until_served
-from kinfer.ops.stack import StackInfo, free_port
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from tests.integration.conftest import WorkerProcess
 

@@ -16,8 +16,8 @@ import uvicorn
 from aiokafka import AIOKafkaProducer
 from prometheus_client import REGISTRY
 
-from kinfer.ops.procs import wait_until_served
-from kinfer.ops.stack import StackInfo, free_port
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.producers.gateway import GatewaySettings, create_app
 from kinfer.topics import Result, Status, seal

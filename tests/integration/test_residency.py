@@ -15,8 +15,8 @@ from kinfer.batcher.residency import Tier
 from kinfer.consumers.runners.noop import NoopRunner
 from kinfer.consumers.runners.registry import ModelSpec
 from kinfer.consumers.worker import Worker, WorkerSettings
-from kinfer.ops.lagmon import LagMonitor
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.control.lagmon import LagMonitor
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import ColdStart, DeadlineExceeded, Status
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs

@@ -35,11 +35,11 @@ from aiokafka.errors import (
 from prometheus_client import REGISTRY
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from kinfer.ops.stack import StackInfo, apply_tenant_acls, tls_closes_settled
+from kinfer.ops.localstack.stack import StackInfo, apply_tenant_acls
 from kinfer.producers import Client
 from kinfer.topics import KinferError, Priority, ReplyRoute, Request, Result, Status, decode_result, now_ms, pack, seal
 from kinfer.topics.auth import KID_HEADER, SIG_HEADER, new_reply_key, signer_from_env
-from kinfer.topics.connect import KafkaAuth, kafka_options
+from kinfer.topics.connect import KafkaAuth, kafka_options, tls_closes_settled
 from kinfer.topics.envelope import ReplyRefused, decode_replies
 from kinfer.topics.health import HEALTH_CHANNEL, HEALTH_TOPIC, HealthState, Level
 from kinfer.topics.names import (
@@ -196,7 +196,7 @@ def test_redis_users(secure: StackInfo) -> None:
 def test_a_component_takes_its_principal_from_the_stack(secure: StackInfo) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KINFER_")}
     env["KINFER_HOME"] = secure.home
-    code = ("import json, os; from kinfer.ops.stack import resolve_endpoints; "
+    code = ("import json, os; from kinfer.ops.localstack.stack import resolve_endpoints; "
             "b, r = resolve_endpoints(principal='kinfer-worker'); "
             "print(json.dumps({'user': os.environ['KINFER_KAFKA_USER'], 'redis': r, 'bootstrap': b}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from kinfer.ops.load import open_loop
-from kinfer.ops.procs import wait_until_served
-from kinfer.ops.simulate import SimConfig, SimModel, Simulation
+from kinfer.ops.bench.load import open_loop
+from kinfer.ops.capacity.simulate import SimConfig, SimModel, Simulation
+from kinfer.ops.localstack.procs import wait_until_served
 from kinfer.producers import Client
 from tests.integration.conftest import WorkerProcess
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kinfer.ops.stack import LocalStack, _alive
+from kinfer.ops.localstack.stack import LocalStack, _alive
 
 pytestmark = pytest.mark.integration
 

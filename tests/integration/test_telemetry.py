@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from kinfer.ops.procs import spawn
-from kinfer.ops.stack import StackInfo, free_port
+from kinfer.ops.localstack.procs import spawn
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics import now_ms
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, ModelStats, stats_key

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kinfer.ops.stack import StackInfo
+from kinfer.ops.localstack.stack import StackInfo
 from tests.integration.conftest import delete_model_topics
 
 pytestmark = pytest.mark.integration

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
-from kinfer.ops.autoscaler import KubernetesPool, keda_scaled_object
 from kinfer.ops.cli import main
-from kinfer.ops.scaling import ScalePolicy
+from kinfer.ops.control.autoscaler import KubernetesPool, keda_scaled_object
+from kinfer.ops.control.scaling import ScalePolicy
 
 SCALE = "/apis/apps/v1/namespaces/ml/deployments/kinfer-worker-emb/scale"
 

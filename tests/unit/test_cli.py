@@ -52,7 +52,7 @@ def test_any_failure_is_one_line_unless_debug(tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert err.startswith(f"kinfer simulate: {bad}: not JSON or YAML") and "Traceback" not in err
     # Something nobody foresaw: still one line, naming what it was, and --debug shows where.
-    monkeypatch.setattr("kinfer.ops.simulate.load_models", lambda path: [][0])
+    monkeypatch.setattr("kinfer.ops.capacity.simulate.load_models", lambda path: [][0])
     assert main(["simulate"]) == 1
     err = capsys.readouterr().err
     assert err == "kinfer simulate: IndexError: list index out of range (kinfer --debug simulate ... shows where)\n"

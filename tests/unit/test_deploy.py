@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 import yaml
 
-from kinfer.ops import secure as sec
-from kinfer.ops import secure_init as si
-from kinfer.ops.autoscaler import keda_scaled_object
 from kinfer.ops.cli import build_parser
-from kinfer.ops.scaling import ScalePolicy
+from kinfer.ops.control.autoscaler import keda_scaled_object
+from kinfer.ops.control.scaling import ScalePolicy
+from kinfer.ops.deploy import secure as sec
+from kinfer.ops.deploy import secure_init as si
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "ops" / "k8s"
-SECURE_INIT = ["python", "-m", "kinfer.ops.secure_init"]
+K8S = ROOT / "ops" / "deploy" / "k8s"
+SECURE_INIT = ["python", "-m", "kinfer.ops.deploy.secure_init"]
 
 
 def k8s_objects() -> list[dict[str, Any]]:
@@ -138,20 +138,20 @@ def test_the_image_has_build_stages_a_cuda_variant_a_healthcheck_and_the_license
     runtime = text.split("AS runtime", 1)[1]
     assert "COPY --from=build /opt/kinfer /opt/kinfer" in runtime and "pip install" not in runtime
     assert "ARG TORCH=cpu" in text and "download.pytorch.org/whl/${TORCH}" in text
-    assert 'CMD ["python", "-m", "kinfer.ops.healthcheck"]' in runtime and "HEALTHCHECK" in runtime
+    assert 'CMD ["python", "-m", "kinfer.ops.deploy.healthcheck"]' in runtime and "HEALTHCHECK" in runtime
     assert "COPY LICENSE" in runtime and (ROOT / "LICENSE").read_text().count("Apache License") >= 1
     gpu = compose_services()["worker-minilm-gpu"]
     assert gpu["build"]["args"] == {"TORCH": "cu124"}
 
 
 def test_every_kinfer_service_is_checked_where_it_serves() -> None:
-    """The image's check (ops/healthcheck.py) asks each compose service what its command serves:
+    """The image's check (ops/deploy/healthcheck.py) asks each compose service what its command serves:
     the gateway's /healthz, else the metrics port Prometheus scrapes."""
-    from kinfer.ops.healthcheck import probe
+    from kinfer.ops.deploy.healthcheck import probe
 
     targets = prometheus_targets()
     for name, service in compose_services().items():
-        if service.get("healthcheck", {}).get("test") != ["CMD", "python", "-m", "kinfer.ops.healthcheck"]:
+        if service.get("healthcheck", {}).get("test") != ["CMD", "python", "-m", "kinfer.ops.deploy.healthcheck"]:
             continue
         kind, port = probe(["/opt/kinfer/bin/kinfer", *service["command"][1:]]) or ("none", 0)
         host = "kinfer-workers" if "kinfer-workers" in str(service.get("networks")) else name
@@ -160,7 +160,7 @@ def test_every_kinfer_service_is_checked_where_it_serves() -> None:
     assert probe(["/opt/kinfer/bin/python", "/opt/kinfer/bin/kinfer", "gateway"]) == ("http", 8000)
     assert probe(["python", "-m", "kinfer.ops.cli", "lagmon", "--metrics-port=9101"]) == ("tcp", 9101)
     assert probe(["kinfer", "topics", "--model", "m"]) is None  # nothing to ask: healthy while it runs
-    assert probe(["python", "-m", "kinfer.ops.secure_init"]) is None
+    assert probe(["python", "-m", "kinfer.ops.deploy.secure_init"]) is None
 
 
 def test_the_healthcheck_reads_a_console_script_started_through_its_interpreter(tmp_path: Path) -> None:
@@ -170,7 +170,7 @@ def test_the_healthcheck_reads_a_console_script_started_through_its_interpreter(
     import sys
     import time
 
-    from kinfer.ops.healthcheck import main_command, probe
+    from kinfer.ops.deploy.healthcheck import main_command, probe
 
     script = tmp_path / "bin" / "kinfer"
     script.parent.mkdir()
@@ -414,7 +414,7 @@ def test_the_image_runs_the_secrets_entrypoint() -> None:
 
 
 def prometheus_targets() -> set[tuple[str, int]]:
-    config = yaml.safe_load((ROOT / "ops" / "prometheus" / "prometheus.yml").read_text())
+    config = yaml.safe_load((ROOT / "ops" / "deploy" / "prometheus" / "prometheus.yml").read_text())
     targets = set()
     for job in config["scrape_configs"]:
         assert job.get("metrics_path", "/metrics") == "/metrics", job["job_name"]
@@ -488,7 +488,7 @@ def defined_metrics() -> dict[str, set[str]]:
 
 
 def dashboard() -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "kinfer.json").read_text())
+    data: dict[str, Any] = json.loads((ROOT / "ops" / "deploy" / "grafana" / "dashboards" / "kinfer.json").read_text())
     return data
 
 
@@ -535,7 +535,7 @@ def test_the_dashboard_covers_what_operators_ask_per_model() -> None:
 
 
 def test_grafana_is_provisioned_with_the_dashboard_and_its_datasource() -> None:
-    provisioning = ROOT / "ops" / "grafana" / "provisioning"
+    provisioning = ROOT / "ops" / "deploy" / "grafana" / "provisioning"
     source = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"][0]
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
     board = dashboard()
@@ -546,12 +546,12 @@ def test_grafana_is_provisioned_with_the_dashboard_and_its_datasource() -> None:
     provider = yaml.safe_load((provisioning / "dashboards" / "kinfer.yml").read_text())["providers"][0]
     grafana = compose_services()["grafana"]
     volumes = mounts(grafana)
-    assert volumes["./ops/grafana/dashboards"] == (provider["options"]["path"], True)
-    assert volumes["./ops/grafana/provisioning"] == ("/etc/grafana/provisioning", True)
+    assert volumes["./ops/deploy/grafana/dashboards"] == (provider["options"]["path"], True)
+    assert volumes["./ops/deploy/grafana/provisioning"] == ("/etc/grafana/provisioning", True)
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == f"{provider['options']['path']}/kinfer.json"
     prometheus = compose_services()["prometheus"]
-    assert mounts(prometheus)["./ops/prometheus/prometheus.yml"] == ("/etc/prometheus/prometheus.yml", True)
+    assert mounts(prometheus)["./ops/deploy/prometheus/prometheus.yml"] == ("/etc/prometheus/prometheus.yml", True)
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
 
 
@@ -560,7 +560,7 @@ def test_the_healthcheck_asks_the_gateway_and_metrics_ports() -> None:
     import socket
     import threading
 
-    from kinfer.ops.healthcheck import healthy
+    from kinfer.ops.deploy.healthcheck import healthy
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -626,9 +626,9 @@ def test_the_compose_file_matches_the_compose_spec() -> None:
 def test_every_manifest_matches_the_kubernetes_schema() -> None:
     import kubernetes_validate
 
-    from kinfer.ops.place import Fleet, load_models, place, render_k8s
+    from kinfer.ops.capacity.placement import Fleet, load_models, place, render_k8s
 
-    emitted = list(yaml.safe_load_all(render_k8s(place(load_models(ROOT / "ops" / "models.example.yaml"),
+    emitted = list(yaml.safe_load_all(render_k8s(place(load_models(ROOT / "ops" / "deploy" / "models.example.yaml"),
                                                         Fleet(gpus=12, gpu_memory_gib=80)))))
     checked = 0
     for obj in [*k8s_objects(), *emitted]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kinfer.ops.health import HealthEstimator, HealthPolicy
+from kinfer.ops.control.estimator import HealthEstimator, HealthPolicy
 from kinfer.topics import MalformedRecord
 from kinfer.topics.health import HealthState, Level
 
@@ -172,7 +172,7 @@ def test_policy_names_the_conflict() -> None:
 
 
 def test_cold_start_estimates_take_the_fastest_fresh_worker_from_the_tier_its_weights_are_in() -> None:
-    from kinfer.ops.lagmon import cold_start_estimates
+    from kinfer.ops.control.lagmon import cold_start_estimates
     from kinfer.topics.residency import ModelResidency, WorkerResidency
 
     now = 1_000_000
@@ -192,7 +192,7 @@ def test_cold_start_estimates_take_the_fastest_fresh_worker_from_the_tier_its_we
 def test_a_cold_model_that_nobody_brings_back_is_a_stall_again() -> None:
     import time
 
-    from kinfer.ops.lagmon import COLD_GRACE_S, LagMonitor
+    from kinfer.ops.control.lagmon import COLD_GRACE_S, LagMonitor
 
     m = LagMonitor("unused:9092", "redis://unused")
     assert not m._cold("a", warm=1, lag=5, cold_start_ms=800.0, loading=False)  # warm somewhere
@@ -209,7 +209,7 @@ def test_a_cold_model_that_nobody_brings_back_is_a_stall_again() -> None:
 def test_the_lag_monitor_exports_what_admission_sees() -> None:
     from prometheus_client import REGISTRY
 
-    from kinfer.ops.lagmon import _export
+    from kinfer.ops.control.lagmon import _export
 
     _export(HealthState(model="exported", level=Level.SHEDDING, predicted_wait_ms=250.0, retry_after_ms=500, lag=7,
                         arrival_rps=3.0, drain_rps=2.0, updated_ms=1, capacity_rps=4.0, warm_replicas=0,

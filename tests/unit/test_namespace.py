@@ -108,7 +108,7 @@ def test_state_and_caches_are_per_user_and_follow_the_environment(tmp_path: Path
 def test_nothing_defaults_to_a_folder_beside_the_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kinfer.consumers.runners.embedding import onnx_cache_root
     from kinfer.consumers.runners.registry import tiny_lm_path
-    from kinfer.ops.stack import LocalStack
+    from kinfer.ops.localstack.stack import LocalStack
 
     for name in ("KINFER_HOME", "KINFER_CACHE", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)

@@ -15,9 +15,8 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kinfer.ops.cli import build_parser, main
-from kinfer.ops.place import EPS as PLACE_EPS
-from kinfer.ops.place import (
+from kinfer.ops.capacity.placement import EPS as PLACE_EPS
+from kinfer.ops.capacity.placement import (
     MIN_WEIGHT,
     Fleet,
     ModelLoad,
@@ -29,9 +28,10 @@ from kinfer.ops.place import (
     render_k8s,
     render_table,
 )
+from kinfer.ops.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "ops" / "models.example.yaml"
+EXAMPLE = ROOT / "ops" / "deploy" / "models.example.yaml"
 PARSER = build_parser()
 EPS = 1e-6
 
@@ -371,7 +371,7 @@ def test_the_manifests_follow_the_repository_conventions() -> None:
     for obj, budget in zip(docs, budgets, strict=True):
         assert budget["kind"] == "PodDisruptionBudget" and budget["spec"]["maxUnavailable"] == 1
         assert budget["spec"]["selector"] == obj["spec"]["selector"]
-    config = yaml.safe_load_all((ROOT / "ops" / "k8s" / "config.yaml").read_text())
+    config = yaml.safe_load_all((ROOT / "ops" / "deploy" / "k8s" / "config.yaml").read_text())
     config_maps = {d["metadata"]["name"] for d in config if d and d["kind"] == "ConfigMap"}
     for obj, pool in zip(docs, p.pools, strict=True):
         assert obj["apiVersion"] == "apps/v1" and obj["kind"] == "Deployment"

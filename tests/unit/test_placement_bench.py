@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kinfer.ops.placement_bench import _summarise, zipf_weights
+from kinfer.ops.bench.placement import _summarise, zipf_weights
 
 
 def test_zipf_weights_sum_to_one_and_fall_with_rank() -> None:

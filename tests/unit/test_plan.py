@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kinfer.ops.plan import Workload, plan
+from kinfer.ops.capacity.roofline import Workload, plan
 
 
 def test_the_readme_7b_decoder_example() -> None:

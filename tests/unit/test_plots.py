@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from kinfer.ops.bench.plots import UnknownReport, plot_report, report_kind
 from kinfer.ops.cli import build_parser, cmd_bench_plot, main
-from kinfer.ops.plots import UnknownReport, plot_report, report_kind
 
-REPORTS = Path(__file__).resolve().parents[2] / "ops" / "reports"
+REPORTS = Path(__file__).resolve().parents[2] / "ops" / "bench" / "reports"
 SAVED = sorted(REPORTS.glob("*.json"))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -39,7 +39,7 @@ def test_every_saved_report_draws(report: Path, tmp_path: Path) -> None:
 
 def test_an_overload_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
     """Saved reports predate the timeline; a new one carries it (``ops.overload._timeline``)."""
-    from kinfer.ops.overload import Outcome, _timeline
+    from kinfer.ops.bench.overload import Outcome, _timeline
     from kinfer.topics import Priority
 
     rng, outcomes, t = random.Random(3), [], 0.0
@@ -61,7 +61,7 @@ def test_an_overload_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
 
 
 def test_an_autoscale_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
-    from kinfer.ops.autoscale_bench import Trace, _timeline
+    from kinfer.ops.bench.autoscale import Trace, _timeline
 
     report = json.loads((REPORTS / "autoscale.json").read_text())
     trace = Trace(**report["trace"])
@@ -96,8 +96,9 @@ def test_an_unknown_shape_is_refused(report: Any, says: str, tmp_path: Path) -> 
 
 
 def test_bench_plot_parses() -> None:
-    args = build_parser().parse_args(["bench", "plot", "ops/reports/transport.json", "--out", "/tmp/t.png"])
-    assert args.func is cmd_bench_plot and args.report == "ops/reports/transport.json" and args.out == "/tmp/t.png"
+    report = "ops/bench/reports/transport.json"
+    args = build_parser().parse_args(["bench", "plot", report, "--out", "/tmp/t.png"])
+    assert args.func is cmd_bench_plot and args.report == report and args.out == "/tmp/t.png"
     assert build_parser().parse_args(["bench", "plot", "r.json"]).out is None
 
 

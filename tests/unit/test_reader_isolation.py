@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from kinfer.ops.autoscaler import AutoscaleLoop, KubernetesPool
-from kinfer.ops.health import HealthEstimator
-from kinfer.ops.lagmon import LagMonitor, _export, cold_start_estimates, read_residency, read_stats
-from kinfer.ops.telemetry import Aggregator, workers_by_model
+from kinfer.ops.control.autoscaler import AutoscaleLoop, KubernetesPool
+from kinfer.ops.control.estimator import HealthEstimator
+from kinfer.ops.control.lagmon import LagMonitor, _export, cold_start_estimates, read_residency, read_stats
+from kinfer.ops.control.telemetry import Aggregator, workers_by_model
 from kinfer.producers.admission import MAX_RETRY_AFTER_S, expected_wait_ms, health_decision
 from kinfer.producers.gateway import error_payload
 from kinfer.producers.health import HealthWatch
@@ -241,7 +241,7 @@ def test_residency_reports_are_read_one_by_one_and_bad_ones_removed() -> None:
 
 
 def test_the_lag_monitor_tracks_at_most_its_models_and_forgets_their_series(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kinfer.ops.lagmon as lagmon
+    import kinfer.ops.control.lagmon as lagmon
 
     monkeypatch.setattr(lagmon, "MAX_MODELS", 2)
     monitor = LagMonitor("unused:9092", "redis://unused")

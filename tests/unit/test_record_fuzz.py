@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kinfer.ops.scaling import ScaleDecision, ScaleState
+from kinfer.ops.control.scaling import ScaleDecision, ScaleState
 from kinfer.topics import MalformedRecord
 from kinfer.topics.health import HealthState, Level, LevelChange
 from kinfer.topics.record import MAX_DURATION_MS, MODEL_NAME_PATTERN, Record

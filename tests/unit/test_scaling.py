@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kinfer.ops.scaling import Autoscaler, Observation, Reason, ScalePolicy
+from kinfer.ops.control.scaling import Autoscaler, Observation, Reason, ScalePolicy
 
 PER = 100.0  # records/s one replica drains while busy
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kinfer.ops import secure as sec
-from kinfer.ops.stack import StackInfo, apply_stack_env, resolve_endpoints
+from kinfer.ops.deploy import secure as sec
+from kinfer.ops.localstack.stack import StackInfo, apply_stack_env, resolve_endpoints
 from kinfer.topics.health import HEALTH_TOPIC
 from kinfer.topics.names import (
     DEFAULT_REPLY_TOPIC,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kinfer.ops import secure as sec
-from kinfer.ops import secure_init as si
+from kinfer.ops.deploy import secure as sec
+from kinfer.ops.deploy import secure_init as si
 from kinfer.topics.auth import TenantCredential
 from tests.unit.test_secure import _handshake
 
@@ -295,8 +295,9 @@ def test_the_command_line(tmp_path: Path) -> None:
 
 
 def _entrypoint(env: dict[str, str], *command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["sh", str(ROOT / "ops" / "docker-entrypoint.sh"), *command], env={"PATH": "/usr/bin:/bin",
-                          **env}, capture_output=True, text=True, check=False)
+    entrypoint = ROOT / "ops" / "deploy" / "docker-entrypoint.sh"
+    return subprocess.run(["sh", str(entrypoint), *command], env={"PATH": "/usr/bin:/bin", **env},
+                          capture_output=True, text=True, check=False)
 
 
 def test_the_entrypoint_reads_secrets_from_files(tmp_path: Path) -> None:
@@ -344,7 +345,7 @@ def test_the_broker_start_script_formats_once_with_the_scram_users(tmp_path: Pat
            "KAFKA_HOME": str(home)}
 
     def start() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["bash", str(ROOT / "ops" / "compose" / "kafka-start.sh")], env=env,
+        return subprocess.run(["bash", str(ROOT / "ops" / "deploy" / "compose" / "kafka-start.sh")], env=env,
                               capture_output=True, text=True, check=False)
 
     first = start()

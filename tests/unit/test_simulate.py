@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kinfer.ops.simulate import SimConfig, SimModel, Simulation, load_models, size_fleet
+from kinfer.ops.capacity.simulate import SimConfig, SimModel, Simulation, load_models, size_fleet
 
 QUIET = SimConfig(transport_ms=6.0, transport_jitter_ms=0.0, reply_ms=1.0, worker_cpu_ms=0.0, batch_overhead_ms=0.0,
                   service_cv=0.0, admission=False)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kinfer.consumers.telemetry import StatsReporter
-from kinfer.ops.telemetry import summarize
+from kinfer.ops.control.telemetry import summarize
 from kinfer.topics import MalformedRecord
 from kinfer.topics.stats import BatchStats, ModelStats, size_bucket
 

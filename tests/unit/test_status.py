@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kinfer.ops.status import Snapshot, render
+from kinfer.ops.control.status import Snapshot, render
 from kinfer.topics.health import HealthState, Level, LevelChange
 from kinfer.topics.stats import ModelStats
 
@@ -35,7 +35,7 @@ def test_level_change_round_trip() -> None:
 
 
 def test_status_shows_what_the_autoscaler_runs_and_decided() -> None:
-    from kinfer.ops.scaling import ScaleDecision, ScaleState
+    from kinfer.ops.control.scaling import ScaleDecision, ScaleState
 
     stats = ModelStats("emb", 10.0, 61.5, 7.7, 8.0, 8.5, {8: 8.5}, {}, 1234, 10_000, workers=2)
     state = ScaleState("emb", "local", 3, 3, 1, 6, 210.0, 100.0, 10_000)

@@ -12,7 +12,7 @@ from kinfer.producers.tenants import Tenant, Tenants, TokenBucket, hash_key, is_
 from kinfer.topics import Priority
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "ops" / "tenants.example.json"
+EXAMPLE = ROOT / "ops" / "deploy" / "tenants.example.json"
 
 
 def test_token_bucket_allows_a_burst_then_the_rate() -> None:
@@ -78,7 +78,8 @@ def test_every_deployed_gateway_on_a_shared_address_authenticates() -> None:
     """docker compose and Kubernetes publish the gateway: each runs with a tenants file, and compose's
     default one (the example) loads and admits nobody until its placeholder hash is replaced."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    manifests = [d for p in sorted((ROOT / "ops" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
+    k8s = ROOT / "ops" / "deploy" / "k8s"
+    manifests = [d for p in sorted(k8s.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
     commands = [s["command"] for s in compose["services"].values() if s.get("command")]
     commands += [c["command"] for d in manifests if d and d.get("kind") == "Deployment"
                  for c in d["spec"]["template"]["spec"]["containers"]]
@@ -88,7 +89,7 @@ def test_every_deployed_gateway_on_a_shared_address_authenticates() -> None:
         assert args.tenants and not args.allow_anonymous, args
     gateway = compose["services"]["gateway"]
     mounted = {target: source for source, target, _ in (v.rsplit(":", 2) for v in gateway["volumes"])}
-    assert mounted["/etc/kinfer/tenants.json"] == "${KINFER_TENANTS:-./ops/tenants.example.json}"
+    assert mounted["/etc/kinfer/tenants.json"] == "${KINFER_TENANTS:-./ops/deploy/tenants.example.json}"
     tenants = Tenants.from_file(EXAMPLE)
     assert tenants.authenticate("") is None and tenants.authenticate("example") is None
 

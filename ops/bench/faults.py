@@ -1,0 +1,338 @@
+"""``kinfer bench faults``: faults injected under a steady load, and what each one cost, counted.
+
+Every scenario runs on a stack this benchmark starts for itself (its own folder, free ports: it
+kills brokers and Redis, so never a stack someone else uses), on a model of its own (fresh topics
+and consumer group), with ``noop`` workers and an open-loop load through the client library (a
+request every ``1/rate`` s, deadline ``deadline_ms``). Each request ends in one of:
+
+- ``ok``: answered with its result;
+- ``error``: the caller was told why (a typed error: refused, shed, expired, invalid, unavailable);
+- ``unaccepted``: the broker did not take the request by its deadline (the call says so at the
+  deadline: ``DeadlineExceeded(accepted=False)``);
+- ``lost``: accepted by the broker, and no answer by its deadline from any worker.
+
+The default deadline (30 s) is longer than any scenario's recovery, so an accepted request that
+goes unanswered is a loss, not a late answer.
+
+``duplicates_delivered`` counts calls that got an answer that was not theirs or a second one
+(the client drops repeats: ``duplicates_dropped``); ``recovery_s`` is how long the fault's effect
+lasted: from the fault to the completion of the last request that took more than a second;
+``worker_exits`` counts workers that died without being killed by the scenario; ``processes_died``
+adds the other kinfer processes a scenario ran (the ``hostile`` one runs a lag monitor, a telemetry
+stream and a gateway beside the workers, and sends them everything ``ops.hostile`` knows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from subprocess import Popen
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+
+from kinfer.ops.bench import hostile
+from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
+from kinfer.producers import Client
+from kinfer.topics import DeadlineExceeded, KinferError, Priority, ReplyRoute, Request, now_ms, pack
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.topics.names import DEFAULT_REPLY_TOPIC, request_topic
+
+SLOW_S = 1.0  # a request slower than this was disturbed by the fault
+
+
+@dataclass
+class _Call:
+    rid: str
+    sent: float
+    done: float = 0.0
+    kind: str = "lost"
+    error: str = ""
+    wrong: bool = False  # the answer was not this call's
+
+
+@dataclass
+class _Run:
+    """What a fault may touch: the stack, the workers, the client, the model."""
+
+    local: LocalStack
+    info: StackInfo
+    model: str
+    client: Client
+    log_dir: Path
+    worker_args: tuple[str, ...]
+    workers: list[Popen[bytes]] = field(default_factory=list)
+    killed: set[int] = field(default_factory=set)
+    others: list[Popen[bytes]] = field(default_factory=list)  # other kinfer processes a fault started
+    notes: dict[str, Any] = field(default_factory=dict)  # what a fault reports beside the counts
+
+    def spawn(self) -> Popen[bytes]:
+        proc = spawn_worker(self.info, self.model, *self.worker_args,
+                            log_path=str(self.log_dir / f"{self.model}-{len(self.workers)}.log"))
+        self.workers.append(proc)
+        return proc
+
+    def kill(self, proc: Popen[bytes]) -> None:
+        self.killed.add(proc.pid)
+        proc.kill()
+        proc.wait()
+
+    async def restart_stack(self) -> None:
+        await asyncio.to_thread(self.local.up)
+
+
+Fault = Callable[[_Run], Coroutine[Any, Any, None]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fault: Fault
+    workers: int = 2
+    brokers: int = 1
+    worker_args: tuple[str, ...] = ()
+
+
+# -- the faults ---------------------------------------------------------------------------------
+
+
+async def _kill_one_of_two(run: _Run) -> None:
+    run.kill(run.workers[0])
+
+
+async def _kill_only_and_restart(run: _Run) -> None:
+    run.kill(run.workers[0])
+    await asyncio.sleep(1.0)
+    run.spawn()  # the same --instance-id: it takes the partitions back without waiting for the session timeout
+
+
+async def _stop_past_session_timeout(run: _Run) -> None:
+    worker = run.workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    await asyncio.sleep(8.0)  # past the 6 s session timeout: the group moves its partitions
+    os.kill(worker.pid, signal.SIGCONT)
+
+
+async def _stop_with_redis_restart(run: _Run) -> None:
+    """The only worker paused past its session timeout while Redis dies and comes back: it resumes
+    with a backlog in Kafka, a stale Redis connection, and a group that no longer knows it."""
+    worker = run.workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        await _kill_redis_and_restart(run)
+        await asyncio.sleep(max(0.0, 8.0 - (time.monotonic() - started)))  # past the 6 s session timeout
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+
+
+async def _kill_broker_and_restart(run: _Run) -> None:
+    os.kill(run.info.brokers[0].pid, signal.SIGKILL)
+    await asyncio.sleep(2.0)
+    await run.restart_stack()  # the same port: every client reconnects
+
+
+async def _kill_one_broker_of_three(run: _Run) -> None:
+    os.kill(run.info.brokers[1].pid, signal.SIGKILL)
+    await asyncio.sleep(3.0)
+    await run.restart_stack()
+
+
+async def _kill_redis_and_restart(run: _Run) -> None:
+    os.kill(run.info.redis_pid, signal.SIGKILL)
+    await asyncio.sleep(2.0)
+    await run.restart_stack()
+
+
+async def _poison_records(run: _Run) -> None:
+    """Records at the size limit: raw garbage, and a valid-looking request that is huge once decompressed."""
+    producer = AIOKafkaProducer(bootstrap_servers=run.info.bootstrap, max_request_size=4 * 1_048_576)
+    compressed = AIOKafkaProducer(bootstrap_servers=run.info.bootstrap, compression_type="gzip",
+                                  max_request_size=8 * 1_048_576)
+    await producer.start()
+    await compressed.start()
+    try:
+        topic = request_topic(run.model, Priority.P1)
+        await producer.send_and_wait(topic, os.urandom(999_000))
+        huge = msgpack.packb({"v": 1, "t": "req", "id": "huge", "model": run.model, "priority": 1,
+                              "tenant": "faults", "created_ms": now_ms(), "deadline_ms": now_ms() + 60_000,
+                              "inputs": ["x" * 16_384] * 256, "reply": {"kafka": DEFAULT_REPLY_TOPIC}})
+        await compressed.send_and_wait(topic, huge)  # ~4.2 MB decompressed, a few KB on the wire
+    finally:
+        await producer.stop()
+        await compressed.stop()
+
+
+async def _missing_reply_topic(run: _Run) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=run.info.bootstrap)
+    await producer.start()
+    try:
+        for i in range(20):
+            request = Request(id=f"nowhere-{i}", model=run.model, priority=Priority.P1, tenant="faults",
+                              created_ms=now_ms(), deadline_ms=now_ms() + 3_600_000, inputs=("x",),
+                              reply=ReplyRoute(kafka=f"replies.nowhere-{uuid.uuid4().hex[:6]}"))
+            await producer.send_and_wait(request_topic(run.model, Priority.P1), pack(request))
+    finally:
+        await producer.stop()
+
+
+async def _malformed_replies(run: _Run) -> None:
+    bad = msgpack.packb({"v": 1, "t": "res", "id": "x", "model": run.model, "status": "ok", "timings": [1]})
+    async with aioredis.Redis.from_url(run.info.redis_url) as r:
+        channel = run.client.reply_channel
+        await r.publish(channel, bad)
+        await r.publish(channel, b"\xc1 not msgpack")
+    producer = AIOKafkaProducer(bootstrap_servers=run.info.bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(DEFAULT_REPLY_TOPIC, bad)
+    finally:
+        await producer.stop()
+
+
+async def _hostile_tenant(run: _Run) -> None:
+    """Everything ``ops.hostile`` sends — at the workers, and at a lag monitor, a telemetry stream and a
+    gateway started beside them — while the valid load goes on around it."""
+    port = free_port()
+    side = str(run.log_dir / f"{run.model}-side.log")
+    run.others += [spawn(run.info, "lagmon", "--model", run.model, log_path=side),
+                   spawn(run.info, "telemetry", log_path=side),
+                   spawn(run.info, "gateway", "--port", str(port), log_path=side)]
+    await asyncio.sleep(5.0)  # they start while the load runs
+    target = hostile.Target(run.info.bootstrap, run.info.redis_url, run.model, tenant="faults",
+                            reply_channel=run.client.reply_channel, gateway=("127.0.0.1", port))
+    sent = hostile.Sent()
+    await hostile.attack_kafka(target, sent)
+    await hostile.attack_redis(target, sent)
+    statuses = await hostile.attack_gateway(target, sent)
+    run.notes["hostile_sent"] = sent.total
+    run.notes["hostile_refused_by_transport"] = len(sent.refused)
+    run.notes["http_5xx_or_broken"] = sorted(k for k, v in statuses.items() if v >= 500 or v == 0)
+
+
+SCENARIOS = (
+    Scenario("worker_sigkill_one_of_two", _kill_one_of_two),
+    Scenario("worker_sigkill_only_and_restart", _kill_only_and_restart, workers=1),
+    Scenario("worker_sigstop_past_session_timeout", _stop_past_session_timeout),
+    Scenario("worker_sigstop_with_redis_restart", _stop_with_redis_restart, workers=1),
+    Scenario("broker_sigkill_and_restart", _kill_broker_and_restart),
+    Scenario("redis_sigkill_and_restart", _kill_redis_and_restart),
+    Scenario("one_broker_of_three_sigkilled", _kill_one_broker_of_three, brokers=3),
+    Scenario("records_at_the_size_limit", _poison_records),
+    Scenario("missing_reply_topics", _missing_reply_topic),
+    Scenario("malformed_replies", _malformed_replies),
+    Scenario("hostile", _hostile_tenant),
+)
+
+
+# -- running one ------------------------------------------------------------------------------
+
+
+async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_dir: Path, rate: float,
+                    before_s: float, after_s: float, deadline_ms: int) -> dict[str, Any]:
+    model = f"faults-{uuid.uuid4().hex[:6]}"
+    await ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, 4)])
+    async with Client(info.bootstrap, info.redis_url, tenant="faults", admission=False) as client:
+        instance = f"faults-{uuid.uuid4().hex[:6]}" if scenario.workers == 1 else None
+        args = ("--family", "noop", *(("--instance-id", instance) if instance else ()), *scenario.worker_args)
+        run = _Run(local, info, model, client, log_dir, args)
+        for _ in range(scenario.workers):
+            run.spawn()
+        await wait_until_served(client, model)
+        calls: list[_Call] = []
+        answers: dict[str, int] = {}
+
+        async def one(call: _Call) -> None:
+            try:
+                result = await client.infer(model, [call.rid], deadline_ms=deadline_ms, request_id=call.rid)
+                call.kind = "ok"
+                call.wrong = result.id != call.rid
+                answers[result.id] = answers.get(result.id, 0) + 1
+            except DeadlineExceeded as exc:
+                if exc.answered:
+                    call.kind, call.error = "error", "DeadlineExceeded"
+                else:
+                    call.kind = "lost" if exc.accepted else "unaccepted"
+            except KinferError as exc:
+                call.kind, call.error = "error", type(exc).__name__
+            call.done = time.monotonic()
+
+        started = time.monotonic()
+        fault_at = started + before_s
+        tasks = []
+        fault_task = None
+        for i in range(int(rate * (before_s + after_s))):
+            at = started + i / rate
+            if fault_task is None and at >= fault_at:
+                fault_task = asyncio.create_task(scenario.fault(run))
+                fault_at = time.monotonic()
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            call = _Call(f"{model}-{i}", time.monotonic())
+            calls.append(call)
+            tasks.append(asyncio.create_task(one(call)))
+        if fault_task is not None:
+            await fault_task
+        await asyncio.gather(*tasks)
+        slow_done = [c.done for c in calls if c.done - c.sent > SLOW_S and c.done >= fault_at]
+        exits = sum(1 for w in run.workers if w.poll() is not None and w.pid not in run.killed)
+        died = exits + sum(1 for p in run.others if p.poll() is not None)
+        report = {
+            "offered": len(calls),
+            "ok": sum(c.kind == "ok" for c in calls),
+            "error": sum(c.kind == "error" for c in calls),
+            "unaccepted": sum(c.kind == "unaccepted" for c in calls),
+            "lost": sum(c.kind == "lost" for c in calls),
+            "duplicates_delivered": sum(c.wrong for c in calls) + sum(n - 1 for n in answers.values() if n > 1),
+            "duplicates_dropped": client.duplicate_replies,
+            "recovery_s": round(max(slow_done) - fault_at, 2) if slow_done else 0.0,
+            "worker_exits": exits,
+            "processes_died": died,  # every kinfer process it ran that ended on its own
+            "errors": _counts(c.error for c in calls if c.kind == "error"),
+            **run.notes,
+        }
+        for proc in (*run.workers, *run.others):
+            stop_process(proc)
+        return report
+
+
+def _counts(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def bench_faults(rate: float = 40.0, before_s: float = 3.0, after_s: float = 15.0, deadline_ms: int = 30_000,
+                 only: tuple[str, ...] = ()) -> dict[str, Any]:
+    chosen = [s for s in SCENARIOS if not only or s.name in only]
+    unknown = set(only) - {s.name for s in SCENARIOS}
+    if unknown:
+        raise ValueError(f"unknown scenarios {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}")
+    report: dict[str, Any] = {"rate": rate, "seconds": before_s + after_s, "deadline_ms": deadline_ms,
+                              "workers": "noop", "scenarios": {}}
+    with tempfile.TemporaryDirectory(prefix="kinfer-faults-") as tmp:
+        for brokers in sorted({s.brokers for s in chosen}):
+            local = LocalStack(Path(tmp) / f"stack-{brokers}", brokers=brokers)
+            info, _ = local.up(timeout_s=180)
+            try:
+                for scenario in (s for s in chosen if s.brokers == brokers):
+                    print(f"{scenario.name} ...", file=sys.stderr, flush=True)
+                    info = local.load() or info  # a restart keeps ports, not pids
+                    result = asyncio.run(_scenario(scenario, local, info, Path(tmp), rate, before_s, after_s,
+                                                   deadline_ms))
+                    report["scenarios"][scenario.name] = result
+                    print(f"  {result}", file=sys.stderr, flush=True)
+            finally:
+                local.down()
+    return report

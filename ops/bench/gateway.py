@@ -1,0 +1,160 @@
+"""``kinfer bench serve``: does kinfer hand the model the machine, or keep the cores for itself?
+
+Two measurements in one run, on the same texts (5–60 words):
+
+1. **The model alone**, in process, no transport: for each layout (processes × torch threads ×
+   batch size) the sequences per second the runner does back to back; the best layout is what the
+   hardware can give this model.
+2. **kinfer through the HTTP gateway**: workers laid out like the best layout, the gateway, the
+   broker and Redis, all on the same machine, open-loop Poisson load swept upward; the highest rate
+   meeting P95 < 150 ms, P99 < 250 ms with at most 1 % errors.
+
+``ratio`` = (2) / (1): the share of the model's own capacity kinfer delivers as a service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, log
+from kinfer.ops.bench.load import make_texts
+from kinfer.ops.bench.transport import _LoadGen, _sweep, _wait_http, _wait_served
+from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
+from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+
+# (processes, threads each, batch size) × runtime: the layouts the model alone is tried in.
+LAYOUTS = ((1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 8))
+RUNTIMES = ("torch", "onnx")
+TEXT_WORDS = (5, 60)
+
+
+def _alone_process(model: str, runtime: str, threads: int, batch: int, seconds: float) -> None:
+    """One process of the model-alone measurement: loads, says so, waits for "go", prints seq/s."""
+    from kinfer.consumers.runners import BatchRunner, build_runner, resolve_model
+    from kinfer.consumers.runners.base import set_threads
+
+    runner: BatchRunner = build_runner(resolve_model(model, options={"runtime": runtime}))  # type: ignore[assignment]
+    set_threads(threads)
+    runner.load()
+    runner.warmup()
+    texts = make_texts(1024, *TEXT_WORDS, seed=os.getpid())
+    print(json.dumps({"ready": getattr(runner, "runtime", "torch")}), flush=True)
+    sys.stdin.readline()  # every process of a layout starts together
+    done, i, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        runner.run([texts[(i + k) % len(texts)] for k in range(batch)])
+        done += batch
+        i += batch
+    print(json.dumps({"seq_per_s": done / (time.perf_counter() - t0)}), flush=True)
+
+
+def model_alone(model: str, seconds: float) -> dict[str, float]:
+    """Sequences/s of each layout (all its processes together), by runtime."""
+    out: dict[str, float] = {}
+    for runtime in RUNTIMES:
+        for procs, threads, batch in LAYOUTS:
+            cmd = [sys.executable, "-m", "kinfer.ops.bench.gateway", "alone", model, runtime, str(threads), str(batch),
+                   str(seconds)]
+            children = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                        for _ in range(procs)]
+            served = {json.loads(c.stdout.readline())["ready"] for c in children}  # type: ignore[union-attr]
+            for child in children:
+                child.stdin.write("go\n")  # type: ignore[union-attr]
+                child.stdin.flush()  # type: ignore[union-attr]
+            rates = [json.loads(child.communicate()[0])["seq_per_s"] for child in children]
+            name = f"{runtime}:{procs}x{threads}t-b{batch}"
+            out[name] = round(sum(rates), 1)
+            log(f"  alone {name}: {out[name]} seq/s (served by {', '.join(sorted(served))})")
+    return out
+
+
+def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_step: float = 10.0,
+                fractions: tuple[float, ...] = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0),
+                partitions: int = 6) -> dict[str, Any]:
+    """``partitions`` per request topic: a multiple of the worker count, or the group splits unevenly
+    (3 partitions over 2 workers: one serves twice the other's load).
+
+    Through the gateway, up to three worker layouts are tried: the model's best layout alone, its best
+    single-process layout (which leaves cores to the transport), and, when the best layout is several
+    processes, one worker with as many executors (``-eN``: one queue for all of them, where N workers
+    split the traffic by partition into N queues); the best one counts.
+    """
+    log("the model alone")
+    alone = model_alone(model, alone_seconds)
+    best = max(alone, key=lambda k: alone[k])
+    single = max((k for k in alone if k.split(":")[1].startswith("1x")), key=lambda k: alone[k])
+    report: dict[str, Any] = {
+        "model": model, "texts": f"{TEXT_WORDS[0]}-{TEXT_WORDS[1]} words, Poisson arrivals", "cpus": os.cpu_count(),
+        "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK}, "partitions": partitions,
+        "model_alone_seq_per_s": alone, "model_alone_best_rps": alone[best], "model_alone_config": best,
+        "through_gateway": {},
+    }
+    stack = LocalStack()
+    info, started = stack.up()
+    try:
+        runtime, shape = best.split(":")
+        procs = int(shape.split("x")[0])
+        shared = [f"{runtime}:1x{shape.split('x', 1)[1]}-e{procs}"] if procs > 1 else []
+        for layout in dict.fromkeys([best, single, *shared]):
+            rate, steps = _through_gateway(info, model, layout, alone[best], fractions, seconds_per_step, partitions)
+            report["through_gateway"][layout] = {"max_rps_at_sla": rate, "steps": steps}
+    finally:
+        if started:
+            stack.down()
+    chosen = max(report["through_gateway"], key=lambda k: report["through_gateway"][k]["max_rps_at_sla"])
+    report["gateway_config"] = chosen
+    report["gateway_max_rps_at_sla"] = report["through_gateway"][chosen]["max_rps_at_sla"]
+    report["ratio"] = round(report["gateway_max_rps_at_sla"] / alone[best], 3)
+    return report
+
+
+def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float, fractions: tuple[float, ...],
+                     seconds: float, partitions: int) -> tuple[float, list[dict[str, Any]]]:
+    """Workers in ``layout`` (e.g. ``onnx:2x1t-b1``), a gateway, and the open-loop sweep through it."""
+    import asyncio
+
+    from kinfer.consumers.runners import resolve_model
+
+    runtime, shape = layout.split(":")
+    procs, threads = int(shape.split("x")[0]), int(shape.split("x")[1].split("t")[0])
+    executors = int(shape.split("-e")[1]) if "-e" in shape else 1
+    served = f"bench-serve-{model}"
+    asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(served, partitions)]))
+    spec = resolve_model(model)
+    flags = ["--family", spec.family, *(["--path", spec.path] if spec.path else []), "--threads", str(threads),
+             "--workers-per-host", str(procs), "--runtime", runtime, "--executors", str(executors)]
+    workers = [spawn_worker(info, served, *flags, log_path=os.path.join(info.home, f"bench-serve-worker{i}.log"))
+               for i in range(procs)]
+    gateway = None
+    try:
+        asyncio.run(_wait_served(info, served))
+        port = free_port()
+        gateway = spawn(info, "gateway", "--port", str(port), log_path=os.path.join(info.home, "bench-serve-gw.log"))
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url)
+        gen = _LoadGen(info, "http", os.path.join(info.home, "bench-serve-loadgen.log"), url=url, model=served,
+                       extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
+        log(f"through the gateway: {layout} ({procs} worker(s) x {executors} executor(s) x {threads} thread(s))")
+        pids = {"client": gen.proc.pid, "gateway": gateway.pid, "broker": info.kafka_pid, "redis": info.redis_pid,
+                **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
+        try:
+            gen.step(alone_best * 0.2, 5.0, seed=99)  # warm-up, not counted
+            rates = tuple(round(alone_best * f, 1) for f in fractions)
+            swept = _sweep(gen, pids, rates, seconds, min_ok=SLA_MIN_OK)
+        finally:
+            gen.close()
+    finally:
+        for proc in [gateway, *workers]:
+            if proc is not None:
+                stop_process(proc)
+    return float(swept["max_rps_at_sla"]), swept["steps"]
+
+
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "alone":
+    _alone_process(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))

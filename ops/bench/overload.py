@@ -1,0 +1,358 @@
+"""``kinfer bench overload``: a surge of 3× a worker's capacity, with the health signal and without.
+
+One worker serves a simulated accelerator whose cost is ``per_input_ms`` per input (batching buys
+nothing, so capacity is one number). The benchmark measures that capacity closed loop, then runs the
+same open-loop schedule twice: ``factor`` × capacity for ``surge_s`` seconds, then half the
+capacity for ``normal_s``; priorities mixed p0 20 %, p1 50 %, p2 30 %, every request with the same
+deadline. Once with the lag monitor running and clients obeying it, once with both switched off
+(the workers' own deadline shedding and CoDel stay on in both runs). Per run:
+
+- ``accepted`` / ``rejected``: enqueued, or refused by admission before enqueueing (``Overloaded``);
+- ``lost``: accepted and never answered at all (a reply that came after its caller gave up counts
+  as answered);
+- ``accepted_p95_ms`` / ``accepted_p99_ms``: scheduled send to the final answer of every accepted
+  request, whatever that answer was (served, shed, expired, or the client's own timeout);
+- ``served_p99_ms``: the same, over the accepted requests that were served;
+- ``deadline_misses``: accepted requests not served by their deadline;
+- ``reject_p99_ms``: how long a refused caller waited to be told;
+- ``recovery_s``: from the end of the surge until the lag is down to what the worker clears in
+  100 ms; ``lag_zero_s``: until it is first zero (sampled every 100 ms);
+- ``timeline``: per half second from the start of the surge, what was offered, refused, served in
+  time and missed, and the lag (``ops.plots.plot_overload`` draws it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import random
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kinfer.ops.bench.harness import log
+from kinfer.ops.bench.load import fire, percentile
+from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.localstack.stack import LocalStack, StackInfo
+from kinfer.producers import Client
+from kinfer.topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
+from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, read_offsets, shared_topic_specs
+from kinfer.topics.health import Level
+
+MODEL = "bench-overload"
+NEIGHBOURS = ("bench-busy", "bench-quiet")  # co-located on one worker for the spike run
+PRIORITY_MIX = ((Priority.P0, 0.2), (Priority.P1, 0.5), (Priority.P2, 0.3))
+
+
+@dataclass(slots=True)
+class Outcome:
+    phase: str  # "surge" or "normal"
+    priority: Priority
+    kind: str  # ok, rejected, shed, expired, unanswered, or an error class name
+    latency_ms: float  # from the scheduled send
+    call_ms: float  # from the actual call (what a refused caller waited)
+    at_s: float = 0.0  # the scheduled send, seconds from the start of the surge
+
+
+def bench_overload(
+    surge_s: float = 30.0, normal_s: float = 10.0, factor: float = 3.0, per_input_ms: float = 20.0,
+    deadline_ms: int = 250, interval_s: float = 0.25, seed: int = 5, info: StackInfo | None = None,
+    neighbour_s: float = 15.0,
+) -> dict[str, Any]:
+    """Runs on ``info`` when given (the caller's Kafka and Redis), else on the local stack."""
+    stack = LocalStack() if info is None else None
+    started = False
+    if stack is not None:
+        info, started = stack.up()
+    assert info is not None
+    try:
+        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, 3)]))
+        # The telemetry stream tells the lag monitor the workers' capacity and service time.
+        procs = [
+            spawn(info, "telemetry", "--app-id", "kinfer-telemetry-bench", "--window-s", "5", "--publish-s", "0.5",
+                  log_path=os.path.join(info.home, "bench-overload-telemetry.log")),
+        ]
+        try:
+            procs.append(spawn_worker(info, MODEL, "--family", "noop", "--option", f"per_input_ms={per_input_ms}",
+                                      log_path=os.path.join(info.home, "bench-overload.log")))
+            return asyncio.run(_bench(info, surge_s, normal_s, factor, per_input_ms, deadline_ms, interval_s, seed,
+                                      neighbour_s))
+        finally:
+            for proc in procs:
+                stop_process(proc)
+    finally:
+        if stack is not None and started:
+            stack.down()
+
+
+async def _bench(
+    info: StackInfo, surge_s: float, normal_s: float, factor: float, per_input_ms: float, deadline_ms: int,
+    interval_s: float, seed: int, neighbour_s: float,
+) -> dict[str, Any]:
+    async with Client(info.bootstrap, info.redis_url, tenant="bench", admission=False) as probe:
+        await wait_until_served(probe, MODEL)
+        capacity = await _capacity(probe, seconds=8.0)
+    log(f"capacity {capacity:.1f}/s; surge {factor * capacity:.0f}/s for {surge_s:.0f} s, "
+         f"then {capacity / 2:.0f}/s for {normal_s:.0f} s")
+    report: dict[str, Any] = {
+        "model": f"simulated accelerator, {per_input_ms:g} ms per input (batching buys nothing)",
+        "capacity_rps": round(capacity, 1), "surge_rps": round(factor * capacity, 1), "surge_s": surge_s,
+        "normal_rps": round(capacity / 2, 1), "normal_s": normal_s, "deadline_ms": deadline_ms,
+        "priority_mix": {p.label: share for p, share in PRIORITY_MIX}, "lagmon_interval_s": interval_s,
+    }
+    for name, backpressure in (("with_backpressure", True), ("without_backpressure", False)):
+        await _wait_drained(info)
+        log(name)
+        report[name] = await _run(info, backpressure, capacity, factor, surge_s, normal_s, deadline_ms,
+                                  interval_s, seed)
+        log(f"  {report[name]}")
+    if neighbour_s > 0:
+        log("neighbours: a 10x spike on one of two co-located models")
+        report["neighbours"] = await _neighbour(info, neighbour_s, 10.0, per_input_ms)
+    return report
+
+
+async def _neighbour(info: StackInfo, seconds: float, spike: float, per_input_ms: float) -> dict[str, Any]:
+    """Two models co-located on one worker: the quiet one's latency while the other spikes ``spike``×.
+
+    Each model normally gets a fifth of the worker's capacity; then, for the same length of time,
+    the busy one is offered ``spike`` times that (twice the whole worker). Admission is on.
+    """
+    await ensure_topics(info.bootstrap, [*model_topic_specs(NEIGHBOURS[0], 3), *model_topic_specs(NEIGHBOURS[1], 3)])
+    proc = spawn_worker(info, NEIGHBOURS[0], "--model", NEIGHBOURS[1], "--family", "noop",
+                        "--option", f"per_input_ms={per_input_ms}",
+                        log_path=os.path.join(info.home, "bench-overload-neighbours.log"))
+    busy, quiet = NEIGHBOURS
+    normal = 1000.0 / per_input_ms / 5
+    monitor = _spawn_lagmon(info, NEIGHBOURS, 0.25)
+    try:
+        async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
+            await wait_until_served(client, busy)
+            await wait_until_served(client, quiet)
+            # Starting the worker stalled the queue for a moment; start once the monitor says so.
+            await _until(lambda: all((h := client.health(m)) is not None and h.level == Level.OK
+                                     for m in NEIGHBOURS), timeout_s=60.0)
+            phases: dict[str, dict[str, Any]] = {}
+            for phase, busy_rate in (("baseline", normal), ("spike", spike * normal)):
+                latencies: dict[str, list[float]] = {busy: [], quiet: []}
+                refused = {busy: 0, quiet: 0}
+
+                async def one(model: str, scheduled: float, into: dict[str, list[float]] = latencies,
+                              refusals: dict[str, int] = refused) -> None:
+                    try:
+                        await client.infer(model, ["neighbour"], priority=Priority.P1, deadline_ms=1_000)
+                        into[model].append((time.monotonic() - scheduled) * 1000.0)
+                    except KinferError:
+                        refusals[model] += 1
+
+                rng = random.Random(len(phases))
+                t0 = time.monotonic() + 0.1
+                plan = sorted([(at, busy) for at, _, _ in _schedule(rng, busy_rate, seconds, t0, phase)]
+                              + [(at, quiet) for at, _, _ in _schedule(rng, normal, seconds, t0, phase)])
+                await fire(plan, one)
+                phases[phase] = {
+                    "busy_offered_rps": round(busy_rate, 1), "quiet_offered_rps": round(normal, 1),
+                    "quiet_p95_ms": round(percentile(latencies[quiet], 95), 1),
+                    "quiet_p99_ms": round(percentile(latencies[quiet], 99), 1),
+                    "quiet_refused": refused[quiet], "busy_served": len(latencies[busy]), "busy_refused": refused[busy],
+                }
+                log(f"  {phase}: {phases[phase]}")
+                await _wait_drained(info, busy)
+    finally:
+        stop_process(monitor)
+        stop_process(proc)
+    return {"spike_factor": spike, **phases}
+
+
+async def _capacity(client: Client, seconds: float, concurrency: int = 16) -> float:
+    """Requests/s served with ``concurrency`` callers always waiting: the worker never idles."""
+    done = 0
+    end = time.monotonic() + seconds
+
+    async def caller() -> None:
+        nonlocal done
+        while time.monotonic() < end:
+            with contextlib.suppress(KinferError):
+                await client.infer(MODEL, ["capacity probe"], deadline_ms=30_000)
+                done += 1
+
+    start = time.monotonic()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return done / (time.monotonic() - start)
+
+
+def _schedule(
+    rng: random.Random, rate: float, seconds: float, start: float, phase: str
+) -> list[tuple[float, str, Priority]]:
+    out: list[tuple[float, str, Priority]] = []
+    at = start
+    while True:
+        at += rng.expovariate(rate)
+        if at >= start + seconds:
+            return out
+        priority = rng.choices([p for p, _ in PRIORITY_MIX], weights=[w for _, w in PRIORITY_MIX])[0]
+        out.append((at, phase, priority))
+
+
+async def _run(
+    info: StackInfo, backpressure: bool, capacity: float, factor: float, surge_s: float, normal_s: float,
+    deadline_ms: int, interval_s: float, seed: int,
+) -> dict[str, Any]:
+    stop = asyncio.Event()
+    monitor = _spawn_lagmon(info, (MODEL,), interval_s) if backpressure else None  # its own process, as deployed
+    lags: list[tuple[float, int]] = []
+    sampler = asyncio.create_task(_sample_lag(info, lags, stop))
+    outcomes: list[Outcome] = []
+    try:
+        async with Client(info.bootstrap, info.redis_url, tenant="bench", admission=backpressure) as client:
+            if backpressure:  # the client obeys a signal from its first request
+                await _until(lambda: client.health(MODEL) is not None, timeout_s=30.0)
+
+            async def one(item: tuple[str, Priority], scheduled: float) -> None:
+                phase, priority = item
+                called = time.monotonic()
+                try:
+                    await client.infer(MODEL, [f"{phase} request"], priority=priority, deadline_ms=deadline_ms)
+                    kind = "ok"
+                except Overloaded:
+                    kind = "rejected"
+                except Shed:
+                    kind = "shed"
+                except DeadlineExceeded as exc:
+                    kind = "expired" if exc.answered else "unanswered"
+                except KinferError as exc:
+                    kind = type(exc).__name__
+                end = time.monotonic()
+                outcomes.append(Outcome(phase, priority, kind, (end - scheduled) * 1000.0, (end - called) * 1000.0,
+                                        scheduled - t0))
+
+            rng = random.Random(seed)
+            t0 = time.monotonic() + 0.2
+            plan = _schedule(rng, factor * capacity, surge_s, t0, "surge")
+            plan += _schedule(rng, capacity / 2, normal_s, t0 + surge_s, "normal")
+            await fire([(at, (phase, priority)) for at, phase, priority in plan], one)
+            await _wait_drained(info)
+            await asyncio.sleep(1.0)  # replies that come after their caller gave up are counted as late
+            late = client.late_replies
+    finally:
+        stop.set()
+        await sampler
+        if monitor is not None:
+            stop_process(monitor)
+    summary = _summarize(outcomes, lags, t0 + surge_s, late, deadline_ms, capacity)
+    summary["timeline"] = _timeline(outcomes, [(t - t0, lag) for t, lag in lags], deadline_ms)
+    return summary
+
+
+def _timeline(outcomes: list[Outcome], lags: list[tuple[float, int]], deadline_ms: int,
+              bucket_s: float = 0.5) -> dict[str, Any]:
+    """Per ``bucket_s`` of scheduled sends from the start of the surge: requests offered, refused at
+    admission, served in time, and accepted but missed (the three add up to offered); the highest
+    lag sampled in the bucket (``lags`` in seconds from the same start). ``plot_overload`` draws it."""
+    end = max([o.at_s for o in outcomes] + [t for t, _ in lags] + [0.0])
+    n = math.floor(end / bucket_s) + 1
+    columns: dict[str, list[int]] = {k: [0] * n for k in ("offered", "rejected", "served_in_time", "missed", "lag")}
+    for o in outcomes:
+        i = min(n - 1, max(0, math.floor(o.at_s / bucket_s)))
+        columns["offered"][i] += 1
+        if o.kind == "rejected":
+            columns["rejected"][i] += 1
+        elif o.kind != "ok" or o.latency_ms > deadline_ms:  # as _summarize counts a deadline miss
+            columns["missed"][i] += 1
+        else:
+            columns["served_in_time"][i] += 1
+    for t, lag in lags:
+        if t >= 0:
+            i = min(n - 1, math.floor(t / bucket_s))
+            columns["lag"][i] = max(columns["lag"][i], lag)
+    return {"bucket_s": bucket_s, "t_s": [round(i * bucket_s, 3) for i in range(n)], **columns}
+
+
+def _summarize(
+    outcomes: list[Outcome], lags: list[tuple[float, int]], surge_end: float, late: int, deadline_ms: int,
+    capacity: float,
+) -> dict[str, Any]:
+    accepted = [o for o in outcomes if o.kind != "rejected"]
+    rejected = [o for o in outcomes if o.kind == "rejected"]
+    unanswered = sum(o.kind == "unanswered" for o in accepted)
+    def missed(o: Outcome) -> bool:
+        return o.kind != "ok" or o.latency_ms > deadline_ms
+
+    misses = [o for o in accepted if missed(o)]
+    settled = max(1, round(capacity * 0.1))  # what the worker clears in 100 ms
+    recovered = next((t for t, lag in lags if t >= surge_end and lag <= settled), None)
+    emptied = next((t for t, lag in lags if t >= surge_end and lag == 0), None)
+
+    def ms(values: list[float], q: float) -> float | None:
+        return round(percentile(values, q), 1) if values else None
+
+    by_priority = {
+        p.label: {
+            "offered": sum(o.priority == p for o in outcomes),
+            "accepted": sum(o.priority == p for o in accepted),
+            "served_in_time": sum(o.priority == p and not missed(o) for o in accepted),
+            "deadline_misses": sum(o.priority == p for o in misses),
+        }
+        for p, _ in PRIORITY_MIX
+    }
+    return {
+        "offered": len(outcomes),
+        "accepted": len(accepted),
+        "rejected": len(rejected),
+        "lost": max(0, unanswered - late),
+        "accepted_p95_ms": ms([o.latency_ms for o in accepted], 95),
+        "accepted_p99_ms": ms([o.latency_ms for o in accepted], 99),
+        "served_p99_ms": ms([o.latency_ms for o in accepted if o.kind == "ok"], 99),
+        "deadline_misses": len(misses),
+        "reject_p99_ms": ms([o.call_ms for o in rejected], 99),
+        "recovery_s": round(recovered - surge_end, 2) if recovered is not None else None,
+        "lag_zero_s": round(emptied - surge_end, 2) if emptied is not None else None,
+        "served_in_time": len(accepted) - len(misses),
+        "peak_lag": max((lag for _, lag in lags), default=0),
+        # The load generator's own lateness (actual call - scheduled send): latencies above count from
+        # the schedule, so a generator that falls behind is charged, not hidden.
+        "send_lag_p99_ms": ms([o.latency_ms - o.call_ms for o in outcomes], 99),
+        "outcomes": dict(sorted({k: sum(o.kind == k for o in outcomes) for k in {o.kind for o in outcomes}}.items())),
+        "by_priority": by_priority,
+    }
+
+
+async def _sample_lag(info: StackInfo, into: list[tuple[float, int]], stop: asyncio.Event, model: str = MODEL) -> None:
+    async with offset_clients(info.bootstrap) as (admin, consumer):
+        while not stop.is_set():
+            offsets = await read_offsets(admin, consumer, model)
+            if offsets is not None:
+                into.append((time.monotonic(), sum(offsets.lag)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.1)
+
+
+async def _wait_drained(info: StackInfo, model: str = MODEL, timeout_s: float = 120.0) -> None:
+    """Until the model's lag is zero (what a run left behind must not leak into the next)."""
+    lags: list[tuple[float, int]] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample_lag(info, lags, stop, model))
+    try:
+        await _until(lambda: bool(lags) and lags[-1][1] == 0, timeout_s)
+    finally:
+        stop.set()
+        await sampler
+
+
+def _spawn_lagmon(info: StackInfo, models: tuple[str, ...], interval_s: float) -> subprocess.Popen[bytes]:
+    args = [a for m in models for a in ("--model", m)]
+    return spawn(info, "lagmon", *args, "--interval-s", str(interval_s),
+                 log_path=os.path.join(info.home, "bench-overload-lagmon.log"))
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up after {timeout_s:.0f} s")
+        await asyncio.sleep(0.05)
+

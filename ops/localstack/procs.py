@@ -1,0 +1,66 @@
+"""Worker processes for the demo and the benchmarks, and waiting until a model answers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from kinfer.ops.localstack.stack import StackInfo
+from kinfer.producers import Client
+from kinfer.topics import KinferError
+
+
+def spawn(info: StackInfo, *args: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
+    """A ``kinfer`` subcommand as a child process on the stack ``info``."""
+    env = {**os.environ, **info.env(), "HF_HUB_OFFLINE": "1"}
+    with open(log_path or os.devnull, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "kinfer.ops.cli", *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def spawn_worker(info: StackInfo, model: str, *extra: str, log_path: str | None = None) -> subprocess.Popen[bytes]:
+    return spawn(info, "worker", "--model", model, *extra, log_path=log_path)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A worker's Prometheus metrics, each sample name summed over its labels (empty when unreachable)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_until_served(client: Client, model: str, timeout_s: float = 180.0) -> None:
+    """Probe until the model answers: the worker loaded, joined its group and got partitions."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await client.infer(model, ["ready?"], deadline_ms=3_000)
+            return
+        except KinferError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)  # refused or not served yet: ask again, but do not hammer
