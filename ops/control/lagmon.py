@@ -220,7 +220,7 @@ class LagMonitor:
                 self._changes.append(LevelChange(state.updated_ms, model, previous.level if previous else None,
                                                  level, state.lag, clamp_ms(estimator.wait_ms)))
             self.states[model] = state
-            _export(state)
+            export_state(state)
             states.append(state)
         return states
 
@@ -239,7 +239,7 @@ class LagMonitor:
         await producer.send(HEALTH_TOPIC, data, key=state.model.encode())
 
 
-def _export(state: HealthState) -> None:
+def export_state(state: HealthState) -> None:
     """The state as Prometheus gauges (the dashboard's lag, level, predicted wait, rates, cold starts)."""
     model = state.model
     LAG.labels(model).set(state.lag)

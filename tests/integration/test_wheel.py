@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from kinfer.ops.localstack.stack import StackInfo
+from tests import ROOT
 from tests.integration.conftest import delete_model_topics
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

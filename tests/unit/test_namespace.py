@@ -15,8 +15,8 @@ import pytest
 import kinfer
 from kinfer.ops.cli import build_parser, main
 from kinfer.topics.paths import cache_dir, state_dir
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("topics", "producers", "consumers", "batcher", "ops")
 # ``-m <package>.x`` in any file, or a quoted ``<package>.x`` module string in Python: the bare name.
 BARE_DASH_M = re.compile(r"-m[\"',\s]+(?:" + "|".join(PACKAGES) + r")\.\w")

@@ -11,8 +11,9 @@ import pytest
 
 from kinfer.ops.bench.plots import UnknownReport, plot_report, report_kind
 from kinfer.ops.cli import build_parser, cmd_bench_plot, main
+from tests import ROOT
 
-REPORTS = Path(__file__).resolve().parents[2] / "ops" / "bench" / "reports"
+REPORTS = ROOT / "ops" / "bench" / "reports"
 SAVED = sorted(REPORTS.glob("*.json"))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -11,6 +11,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from kinfer.consumers.runners import build_runner, resolve_model
 from kinfer.consumers.runners.tinylm import build_tiny_classifier
 
+pytestmark = pytest.mark.models  # builds or loads real models (tens of seconds): not in `make check`
+
 
 def test_labels_and_scores_match_the_model(tmp_path: Path) -> None:
     path = build_tiny_classifier(tmp_path / "clf")

@@ -229,10 +229,10 @@ def test_secure_dir_modes_certificates_and_a_real_handshake(tmp_path: Path) -> N
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(files.keystore)
     client = ssl.create_default_context(cafile=str(files.ca_cert))
-    _handshake(server, client, "127.0.0.1")
-    _handshake(server, client, "localhost")
+    handshake(server, client, "127.0.0.1")
+    handshake(server, client, "localhost")
     with pytest.raises(ssl.SSLCertVerificationError):
-        _handshake(server, client, "example.com")
+        handshake(server, client, "example.com")
 
     # Kept as they are when called again.
     before = {p.name: p.read_bytes() for p in root.iterdir()}
@@ -240,7 +240,7 @@ def test_secure_dir_modes_certificates_and_a_real_handshake(tmp_path: Path) -> N
     assert {p.name: p.read_bytes() for p in root.iterdir()} == before
 
 
-def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, hostname: str) -> None:
+def handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, hostname: str) -> None:
     """A TLS handshake over memory buffers (no sockets)."""
     s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
     server = server_ctx.wrap_bio(s_in, s_out, server_side=True)

@@ -209,9 +209,9 @@ def test_a_cold_model_that_nobody_brings_back_is_a_stall_again() -> None:
 def test_the_lag_monitor_exports_what_admission_sees() -> None:
     from prometheus_client import REGISTRY
 
-    from kinfer.ops.control.lagmon import _export
+    from kinfer.ops.control.lagmon import export_state
 
-    _export(HealthState(model="exported", level=Level.SHEDDING, predicted_wait_ms=250.0, retry_after_ms=500, lag=7,
+    export_state(HealthState(model="exported", level=Level.SHEDDING, predicted_wait_ms=250.0, retry_after_ms=500, lag=7,
                         arrival_rps=3.0, drain_rps=2.0, updated_ms=1, capacity_rps=4.0, warm_replicas=0,
                         cold_start_ms=1500.0))
     seen = {name: REGISTRY.get_sample_value(name, {"model": "exported"}) for name in (

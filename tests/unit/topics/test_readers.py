@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from kinfer.ops.control.autoscaler import AutoscaleLoop, KubernetesPool
 from kinfer.ops.control.estimator import HealthEstimator
-from kinfer.ops.control.lagmon import LagMonitor, _export, cold_start_estimates, read_residency, read_stats
+from kinfer.ops.control.lagmon import LagMonitor, cold_start_estimates, export_state, read_residency, read_stats
 from kinfer.ops.control.telemetry import Aggregator, workers_by_model
 from kinfer.producers.admission import MAX_RETRY_AFTER_S, expected_wait_ms, health_decision
 from kinfer.producers.gateway import error_payload
@@ -247,7 +247,7 @@ def test_the_lag_monitor_tracks_at_most_its_models_and_forgets_their_series(monk
     monitor = LagMonitor("unused:9092", "redis://unused")
     for model in ("cap-a", "cap-b", "cap-c"):
         monitor.estimators[model] = HealthEstimator()
-        _export(state(model=model))
+        export_state(state(model=model))
     assert monitor._tracked(["cap-c", "cap-b", "cap-a"]) == ["cap-a", "cap-b"]
     assert set(monitor.estimators) == {"cap-a", "cap-b"}
     assert REGISTRY.get_sample_value("kinfer_lag_records", {"model": "cap-c"}) is None

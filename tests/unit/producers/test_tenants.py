@@ -10,8 +10,8 @@ import yaml
 from kinfer.ops.cli import build_parser, main
 from kinfer.producers.tenants import Tenant, Tenants, TokenBucket, hash_key, is_loopback
 from kinfer.topics import Priority
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "ops" / "deploy" / "tenants.example.json"
 
 

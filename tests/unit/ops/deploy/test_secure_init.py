@@ -20,9 +20,9 @@ import pytest
 from kinfer.ops.deploy import secure as sec
 from kinfer.ops.deploy import secure_init as si
 from kinfer.topics.auth import TenantCredential
-from tests.unit.test_secure import _handshake
+from tests import ROOT
+from tests.unit.ops.deploy.test_secure import handshake
 
-ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = si.Layout()
 
 
@@ -85,11 +85,11 @@ def test_broker_certificates_verify_against_the_ca_with_their_names(made: tuple[
         assert text.count("BEGIN PRIVATE KEY") == 1 and text.count("BEGIN CERTIFICATE") == 2
         server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         server.load_cert_chain(keystore)  # what Kafka's PEM keystore holds: key, certificate, CA
-        _handshake(server, client, name)
-        _handshake(server, client, "localhost")
+        handshake(server, client, name)
+        handshake(server, client, "localhost")
         other = LAYOUT.brokers[(i + 1) % len(LAYOUT.brokers)]
         with pytest.raises(ssl.SSLCertVerificationError):
-            _handshake(server, client, other)  # a broker's certificate does not pass for another
+            handshake(server, client, other)  # a broker's certificate does not pass for another
 
 
 def test_certificates_are_issued_again_when_names_or_the_ca_change(tmp_path: Path) -> None:

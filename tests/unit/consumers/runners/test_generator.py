@@ -33,6 +33,8 @@ from kinfer.consumers.runners.tinylm import build_tiny_lm
 from kinfer.topics import Priority, Request, Result, Status
 from kinfer.topics.envelope import ReplyRoute
 
+pytestmark = pytest.mark.models  # builds or loads real models (tens of seconds): not in `make check`
+
 PROMPTS = [
     "the quick brown fox",
     "kafka consumer groups share partitions among their members and rebalance when one leaves",

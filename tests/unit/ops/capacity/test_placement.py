@@ -29,8 +29,8 @@ from kinfer.ops.capacity.placement import (
     render_table,
 )
 from kinfer.ops.cli import build_parser, main
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "ops" / "deploy" / "models.example.yaml"
 PARSER = build_parser()
 EPS = 1e-6

@@ -14,6 +14,8 @@ import torch
 from kinfer.consumers.runners import build_runner, resolve_model
 from kinfer.consumers.runners import embedding as emb
 
+pytestmark = pytest.mark.models  # builds or loads real models (tens of seconds): not in `make check`
+
 TEXTS = [
     "hello",
     "Kafka keeps the offsets; the worker commits them only after replying.",

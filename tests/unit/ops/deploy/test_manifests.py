@@ -25,8 +25,8 @@ from kinfer.ops.control.autoscaler import keda_scaled_object
 from kinfer.ops.control.scaling import ScalePolicy
 from kinfer.ops.deploy import secure as sec
 from kinfer.ops.deploy import secure_init as si
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "ops" / "deploy" / "k8s"
 SECURE_INIT = ["python", "-m", "kinfer.ops.deploy.secure_init"]
 
