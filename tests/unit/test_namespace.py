@@ -57,6 +57,8 @@ def test_no_command_or_module_string_names_a_bare_package() -> None:
     texts = {p: p.read_text() for p in python_files()}
     for name in ("Makefile", "Dockerfile", "docker-compose.yml", "README.md", ".ci/run"):
         texts[ROOT / name] = (ROOT / name).read_text()
+    for doc in (ROOT / "docs").glob("*.md"):  # the commands the documentation tells users to run
+        texts[doc] = doc.read_text()
     for p in [*(ROOT / "ops").rglob("*.sh"), *(ROOT / "ops").rglob("*.yaml"), *(ROOT / "ops").rglob("*.yml")]:
         texts[p] = p.read_text()
     bad = [f"{p.relative_to(ROOT)}: {m[0]}" for p, text in texts.items() for m in BARE_DASH_M.finditer(text)]

@@ -1,4 +1,4 @@
-"""``kinfer place``: the invariants of a placement (Hypothesis), the README's worked example, the
+"""``kinfer place``: the invariants of a placement (Hypothesis), the worked example of docs/capacity.md, the
 models file's validation, and the outputs (worker commands that the real command line parses,
 Kubernetes Deployments)."""
 

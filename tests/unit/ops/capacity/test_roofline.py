@@ -1,4 +1,4 @@
-"""``kinfer plan``: the README's two worked examples, and the properties the math must keep."""
+"""``kinfer plan``: the two worked examples of docs/capacity.md, and the properties the math must keep."""
 
 from __future__ import annotations
 
