@@ -1,6 +1,7 @@
 # The two commands: `make demo` (the whole pipeline, end to end) and `make test` (every test).
 # Each one installs what it needs first, idempotently: the virtual environment and Python
-# packages, Debian's redis-server, and Kafka's jars from Maven Central.
+# packages, Debian's redis-server, and Kafka's jars from Maven Central. `make check` is the edit
+# loop: the unit tests without the model tests, on every core.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -12,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 # state is in KINFER_HOME, else ~/.local/state/kinfer.
 export KINFER_CACHE ?= $(CURDIR)/.cache
 
-.PHONY: deps demo test lint typecheck unit stack-down clean
+.PHONY: deps demo test check lint typecheck unit stack-down clean
 
 $(VENV)/.kinfer-deps: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,11 +37,16 @@ lint: deps
 typecheck: deps
 	$(PY) -m mypy
 
+# Tests run on every core (pytest-xdist), a file's tests on one worker: integration tests start
+# their own Kafka and Redis on free ports, one stack per worker.
 test: lint typecheck
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile
+
+check: deps
+	$(PY) -m pytest tests/unit -m "not models and not slow" -n auto -q
 
 unit: deps
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest tests/unit -n auto
 
 stack-down:
 	$(PY) -m kinfer.ops.cli stack down
