@@ -2,7 +2,7 @@
 
 A worker *registers* every model it may serve and keeps a subset *resident* under a device-memory
 budget. Weights live in one of three tiers: on the device (served), in host RAM (pinned on CUDA: a
-copy away) or only on disk (a load away). The shell (``consumers.worker``) tells this policy what
+copy away) or only on disk (a load away). The shell (``consumers.swapping``) tells this policy what
 it sees — each model's records waiting in Kafka, whether it has work in this process, how many warm
 replicas the fleet has — and executes the moves it gets back, one at a time, evictions first.
 

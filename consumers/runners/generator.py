@@ -328,7 +328,7 @@ class GeneratorRunner(TorchResidency):
         events, picked = [], []
         for r, rid in enumerate(batch.ids):
             row = self._rows[rid]
-            token = _pick(logits[r].float(), row.sampling, row.generator)
+            token = pick_token(logits[r].float(), row.sampling, row.generator)
             picked.append(token)
             row.tokens.append(token)
             events.append(self._event(row, token))
@@ -393,7 +393,7 @@ def _generator(request_id: str, sampling: Sampling) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed % (2**63))
 
 
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """The next token: greedy, or sampled at ``temperature`` from the top-``top_p`` mass.
 
     Total over its inputs: whatever the logits hold (NaN, ±inf, all -inf) and whatever the

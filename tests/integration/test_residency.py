@@ -12,13 +12,14 @@ import redis.asyncio as aioredis
 
 from kinfer.batcher.dynamic import BatchPolicy
 from kinfer.batcher.residency import Tier
+from kinfer.consumers.feed import FeedState
 from kinfer.consumers.runners.noop import NoopRunner
 from kinfer.consumers.runners.registry import ModelSpec
 from kinfer.consumers.worker import Worker, WorkerSettings
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
-from kinfer.topics import ColdStart, DeadlineExceeded, Status
+from kinfer.topics import ColdStart, DeadlineExceeded, Priority, Status
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 from kinfer.topics.residency import RESIDENCY_KEY, WorkerResidency
 from tests.integration.conftest import delete_model_topics
@@ -38,18 +39,23 @@ async def two_models(stack: StackInfo) -> AsyncIterator[tuple[str, str]]:
 
 
 class _Watched(Worker):
-    """Records every fetched record's model state: a record of a model that is not warm is a violation."""
+    """Records every fetched record's model state: a record of a model that is not warm (off the device, or
+    its swap-in still joining the group) is a violation."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fetched_cold: list[str] = []
         self.fetched: dict[str, int] = {}
+        told = self.observer.fetched
 
-    def _intake(self, feed: Any, *args: Any) -> None:
-        if feed.tier != Tier.DEVICE or feed.loading:
-            self.fetched_cold.append(feed.name)
-        self.fetched[feed.name] = self.fetched.get(feed.name, 0) + 1
-        super()._intake(feed, *args)
+        def fetched(model: str, priority: Priority, queue_s: float) -> None:
+            feed = self.feeds[model]
+            if feed.tier != Tier.DEVICE or feed.lifecycle.state is FeedState.JOINING:
+                self.fetched_cold.append(model)
+            self.fetched[model] = self.fetched.get(model, 0) + 1
+            told(model, priority, queue_s)
+
+        self.observer.fetched = fetched  # type: ignore[method-assign]
 
 
 async def test_a_budget_of_one_model_serves_two_alternately(

@@ -26,7 +26,7 @@ from kinfer.consumers.runners.generator import (
     GenInput,
     Sampling,
     TokenEvent,
-    _pick,
+    pick_token,
 )
 from kinfer.consumers.runners.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 from kinfer.consumers.runners.tinylm import build_tiny_lm
@@ -242,7 +242,7 @@ def test_picking_a_token_never_fails_whatever_the_logits(logits: list[float], te
                                                         top_p: float) -> None:
     # top_p below float32's range stands for a range check that was bypassed: sampling stays safe anyway.
     sampling = SimpleNamespace(temperature=temperature, top_p=top_p)
-    token = _pick(torch.tensor(logits), sampling, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
+    token = pick_token(torch.tensor(logits), sampling, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
     assert 0 <= token < len(logits)
     finite = [x for x in logits if not math.isnan(x)]
     if math.inf in finite:
