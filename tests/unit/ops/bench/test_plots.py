@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from kinfer.ops.bench.plots import UnknownReport, plot_report, report_kind
-from kinfer.ops.cli import build_parser, cmd_bench_plot, main
+from kinfer.ops.cli import build_parser, main
+from kinfer.ops.cli.bench import draw_report
 from tests import ROOT
 
 REPORTS = ROOT / "ops" / "bench" / "reports"
@@ -99,7 +100,7 @@ def test_an_unknown_shape_is_refused(report: Any, says: str, tmp_path: Path) -> 
 def test_bench_plot_parses() -> None:
     report = "ops/bench/reports/transport.json"
     args = build_parser().parse_args(["bench", "plot", report, "--out", "/tmp/t.png"])
-    assert args.func is cmd_bench_plot and args.report == report and args.out == "/tmp/t.png"
+    assert (args.command, args.bench) == ("bench", "plot") and args.report == report and args.out == "/tmp/t.png"
     assert build_parser().parse_args(["bench", "plot", "r.json"]).out is None
 
 
@@ -135,13 +136,11 @@ def test_bench_plot_says_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFix
 def test_a_bench_that_ends_draws_its_report_or_says_why_not(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """``kinfer bench NAME --plot``: the picture's path goes into the report; a failed picture is told
-    on stderr and the report is printed all the same (``cmd_bench`` then exits 2)."""
-    from kinfer.ops.cli import _plot_report
-
+    on stderr and the report is printed all the same (``kinfer bench`` then exits 2)."""
     report = json.loads((REPORTS / "generation-cpu.json").read_text())
-    assert _plot_report(report, str(tmp_path / "g.png"), "generation")
+    assert draw_report(report, str(tmp_path / "g.png"), "generation")
     assert report["plot"] == str(tmp_path / "g.png")
     assert_png(tmp_path / "g.png")
     odd: dict[str, Any] = {"hello": "world"}
-    assert not _plot_report(odd, str(tmp_path / "odd.png"), "model")
+    assert not draw_report(odd, str(tmp_path / "odd.png"), "model")
     assert "plot" not in odd and "kinfer bench model: the plot failed (UnknownReport" in capsys.readouterr().err

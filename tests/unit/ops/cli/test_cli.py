@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import kinfer
 from kinfer.ops.cli import build_parser, main
+from kinfer.ops.cli.reference import REGENERATE, render
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -78,3 +80,9 @@ def test_every_option_with_a_default_shows_it_in_help(capsys: pytest.CaptureFixt
         main(["gateway", "--help"])
     shown = capsys.readouterr().out
     assert re.search(r"--port PORT +\[8000\]", shown) and "[10] [10.0]" not in shown
+
+
+def test_the_cli_reference_is_what_the_parser_says() -> None:
+    """docs/cli.md is rendered from the parser: a flag, default or help changed in code shows there too."""
+    written = (Path(kinfer.__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert written == render(), f"docs/cli.md is out of date: regenerate it with `{REGENERATE}`"

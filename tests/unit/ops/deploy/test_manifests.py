@@ -284,7 +284,7 @@ def test_compose_services_restart_and_report_health() -> None:
 
 
 def test_every_kafka_client_acts_as_a_principal_of_the_acl_table() -> None:
-    from kinfer.ops.cli import COMPONENT_PRINCIPALS
+    from kinfer.ops.cli import COMMANDS
 
     services = compose_services()
     layout = si.layout_from(secure_init_args(services["secrets"]))
@@ -313,8 +313,9 @@ def test_every_kafka_client_acts_as_a_principal_of_the_acl_table() -> None:
         url = re.fullmatch(r"redis://([^:@/]+)@redis:6379/0", env["KINFER_REDIS_URL"])
         assert url and url.group(1) == user, name  # the same principal on Redis, its password from the file
         args = kinfer_args(service)
-        if args is not None and args.command in COMPONENT_PRINCIPALS and args.command not in ("infer", "bench"):
-            assert user == COMPONENT_PRINCIPALS[args.command], name  # what `stack up --secure` gives it
+        command = COMMANDS[args.command] if args is not None else None
+        if command is not None and command.principal and command.name not in ("infer", "bench"):
+            assert user == command.principal, name  # what `stack up --secure` gives it
         signs = args is not None and args.command in ("worker", "gateway")
         if signs:
             assert env["KINFER_SIGNING_SECRET_FILE"] == f"{target}/signing-secret", name
