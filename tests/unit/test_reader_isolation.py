@@ -21,7 +21,7 @@ from kinfer.ops.health import HealthEstimator
 from kinfer.ops.lagmon import LagMonitor, _export, cold_start_estimates, read_residency, read_stats
 from kinfer.ops.telemetry import Aggregator, workers_by_model
 from kinfer.producers.admission import MAX_RETRY_AFTER_S, expected_wait_ms, health_decision
-from kinfer.producers.gateway import error_payload
+from kinfer.producers.gateway_pipeline import error_payload
 from kinfer.producers.health import HealthWatch
 from kinfer.topics import ColdStart, Overloaded, Priority
 from kinfer.topics.health import HealthState, Level
