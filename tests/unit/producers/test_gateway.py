@@ -19,17 +19,10 @@ from hypothesis import strategies as st
 
 from kinfer.consumers.runners import sampling
 from kinfer.consumers.runners.sampling import Sampling
-from kinfer.producers import gateway
-from kinfer.producers.gateway import (
-    ChatCompletionsBody,
-    CompletionsBody,
-    EmbeddingsBody,
-    InferBody,
-    StreamBody,
-    WsMessage,
-    openai_decode,
-)
+from kinfer.producers import openai_api
 from kinfer.producers.http import MAX_BODY_BYTES, BadBody, ascii_int, decode
+from kinfer.producers.native_api import InferBody, StreamBody, WsMessage
+from kinfer.producers.openai_api import ChatCompletionsBody, CompletionsBody, EmbeddingsBody, openai_decode
 from kinfer.producers.streams import MAX_STREAM_CHUNKS
 from kinfer.topics import DEFAULT_LIMITS, InvalidRequest
 
@@ -184,10 +177,10 @@ def test_a_header_number_is_ascii_digits_in_range_or_none(raw: str) -> None:
 
 
 def test_the_producers_bounds_are_the_workers() -> None:
-    assert gateway.MIN_TEMPERATURE == sampling.MIN_TEMPERATURE
-    assert gateway.MIN_TOP_P == sampling.MIN_TOP_P
+    assert openai_api.MIN_TEMPERATURE == sampling.MIN_TEMPERATURE
+    assert openai_api.MIN_TOP_P == sampling.MIN_TOP_P
     assert sampling.MAX_TEMPERATURE >= 2.0  # OpenAI's top temperature
     assert MAX_STREAM_CHUNKS == sampling.MAX_NEW_TOKENS + 1  # a chunk per token, and the final one
-    assert gateway.MAX_OPENAI_STOPS <= sampling.MAX_STOPS - 2  # room for the plain template's two stops
-    joined = gateway.MAX_OPENAI_STOPS * (gateway.MAX_OPENAI_STOP_CHARS + 1) - 1
-    assert joined <= DEFAULT_LIMITS.max_param_chars and gateway.MAX_OPENAI_STOP_CHARS <= sampling.MAX_STOP_CHARS
+    assert openai_api.MAX_OPENAI_STOPS <= sampling.MAX_STOPS - 2  # room for the plain template's two stops
+    joined = openai_api.MAX_OPENAI_STOPS * (openai_api.MAX_OPENAI_STOP_CHARS + 1) - 1
+    assert joined <= DEFAULT_LIMITS.max_param_chars and openai_api.MAX_OPENAI_STOP_CHARS <= sampling.MAX_STOP_CHARS

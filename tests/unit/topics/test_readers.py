@@ -21,7 +21,7 @@ from kinfer.ops.control.estimator import HealthEstimator
 from kinfer.ops.control.lagmon import LagMonitor, cold_start_estimates, export_state, read_residency, read_stats
 from kinfer.ops.control.telemetry import Aggregator, workers_by_model
 from kinfer.producers.admission import MAX_RETRY_AFTER_S, expected_wait_ms, health_decision
-from kinfer.producers.gateway import error_payload
+from kinfer.producers.gateway_pipeline import error_payload
 from kinfer.producers.health import HealthWatch
 from kinfer.topics import ColdStart, Overloaded, Priority
 from kinfer.topics.health import HealthState, Level
