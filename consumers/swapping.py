@@ -34,7 +34,6 @@ from redis.exceptions import RedisError
 from kinfer.batcher.residency import Demand, Move, Residency, ResidencyPolicy, Tier
 from kinfer.consumers.feed import Feed, FeedState, Signals
 from kinfer.consumers.membership import Membership
-from kinfer.consumers.notes import subscribed
 from kinfer.consumers.observer import Observer
 from kinfer.consumers.runners.base import bring_in
 from kinfer.consumers.runners.registry import GIB, estimate_footprint
@@ -42,7 +41,7 @@ from kinfer.consumers.settings import WorkerSettings
 from kinfer.topics import MalformedRecord, now_ms
 from kinfer.topics.admin import group_members, offset_clients, read_offsets_many
 from kinfer.topics.names import consumer_group
-from kinfer.topics.readers import refused
+from kinfer.topics.readers import refused, subscribed
 from kinfer.topics.record import MAX_DURATION_MS
 from kinfer.topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY, ModelResidency, WorkerResidency
 from kinfer.topics.residency import Demand as DemandNote

@@ -55,7 +55,6 @@ from kinfer.batcher.residency import Residency, Tier
 from kinfer.consumers.cores import Outcome, Outgoing, Work, build_core
 from kinfer.consumers.feed import Feed, Signals
 from kinfer.consumers.membership import Membership
-from kinfer.consumers.notes import subscribed
 from kinfer.consumers.observer import Observers
 from kinfer.consumers.poison import CarefulToken, DeliveryGuard
 from kinfer.consumers.replies import Delivery, ReplySink
@@ -70,7 +69,7 @@ from kinfer.topics.backoff import Backoff
 from kinfer.topics.cancel import CancelNote
 from kinfer.topics.connect import kafka_options
 from kinfer.topics.names import CANCEL_CHANNEL
-from kinfer.topics.readers import Supervised, refused
+from kinfer.topics.readers import Supervised, refused, subscribed
 
 log = logging.getLogger(__name__)
 

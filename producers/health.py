@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from kinfer.producers import metrics
 from kinfer.producers.replies import stop_task
 from kinfer.topics import now_ms
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.health import HEALTH_CHANNEL, HealthState, Level
-from kinfer.topics.readers import Supervised, read
+from kinfer.topics.readers import Supervised, read, subscribed
 from kinfer.topics.record import MAX_SKEW_MS
-
-log = logging.getLogger(__name__)
 
 READER = "health-watch"
 STALE_MS = 10_000  # a state older than this is no signal at all (the monitor may be down)
@@ -89,22 +85,9 @@ class HealthWatch:
                     metrics.LEVEL_CHANGES_SEEN.remove(model, level.name.lower())
 
     async def _watch(self) -> None:
-        backoff = Backoff(0.5)
-        while True:  # best effort: without Redis there is no signal, and admission falls back to throttling
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(HEALTH_CHANNEL)
-                backoff.reset()
-                while True:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg is not None and msg.get("type") == "message":
-                        self.accept(msg.get("data"), now_ms())
-            except (RedisError, OSError) as exc:
-                log.debug("health watch lost Redis: %s", exc)
-                await asyncio.sleep(backoff.next_delay())
-            finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+        # Best effort: without Redis there is no signal, and admission falls back to throttling.
+        async for data in subscribed(self._redis, HEALTH_CHANNEL, backoff=Backoff(0.5)):
+            self.accept(data, now_ms())
 
 
 def _fresh(state: HealthState, now: int) -> bool:

@@ -8,6 +8,11 @@ waits to restart, and ``Supervised.up`` says so to the process's readiness.
 
 Labels are bounded: ``reader`` is a name from the code, ``reason`` one of ``MalformedRecord``'s
 reasons (size, depth, syntax, schema, memory, tombstone, type, future, capacity).
+
+``subscribed`` is the Redis side of a reader: a channel's messages through Redis outages. A message
+lost while Redis is away costs little on the channels read this way (a cancellation, a producer's
+demand, a health state superseded within a second), so the subscription outlives the outage: it
+subscribes again, with backoff, and its reader never stops for want of Redis.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
+from redis.exceptions import RedisError
 
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.errors import MalformedRecord
@@ -115,3 +122,27 @@ class Supervised:
                         await asyncio.wait_for(stop.wait(), delay)
         finally:
             self._set_up(False)
+
+
+async def subscribed(redis: aioredis.Redis, channel: str, until: asyncio.Event | None = None,
+                     backoff: Backoff | None = None) -> AsyncIterator[bytes]:
+    """Messages on ``channel`` until ``until`` is set (for ever without one); through Redis outages:
+    it subscribes again after ``backoff``'s delay."""
+    backoff = backoff or Backoff()
+    stop = until or asyncio.Event()
+    while not stop.is_set():
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(channel)
+            backoff.reset()
+            while not stop.is_set():
+                msg = await pubsub.get_message(timeout=0.5)
+                if msg is not None and msg.get("type") == "message" and isinstance(msg["data"], bytes):
+                    yield msg["data"]
+        except (RedisError, OSError) as exc:
+            log.warning("%s: Redis unavailable, resubscribing: %s", channel, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff.next_delay())
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
