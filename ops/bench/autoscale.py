@@ -37,14 +37,14 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from kinfer.ops.bench.harness import log
+from kinfer.ops.bench.harness import local_stack, log
 from kinfer.ops.bench.load import fire, percentile
 from kinfer.ops.control.autoscaler import AutoscaleLoop
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.control.scaling import ScalePolicy
 from kinfer.ops.localstack.pool import LocalPool
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
-from kinfer.ops.localstack.stack import LocalStack, StackInfo
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import DeadlineExceeded, KinferError
 from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
@@ -114,14 +114,9 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
     trace = trace or Trace()
     policy = policy or ScalePolicy(min_replicas=1, max_replicas=partitions, up_cooldown_s=5.0, down_cooldown_s=10.0,
                                    down_window_s=20.0, drain_s=5.0)
-    stack = LocalStack() if info is None else None
-    started = False
-    if stack is not None:
-        info, started = stack.up()
-    assert info is not None
     tag = f"{os.getpid()}"
     models = (f"bench-autoscale-{tag}", f"bench-static-{tag}")
-    try:
+    with local_stack(info) as info:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(),
                                                    *(s for m in models for s in model_topic_specs(m, partitions))]))
         telemetry = spawn(info, "telemetry", "--app-id", f"kinfer-telemetry-autoscale-{tag}", "--window-s", "5",
@@ -152,9 +147,6 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
         finally:
             stop_process(telemetry)
             asyncio.run(_delete_topics(info, models))
-    finally:
-        if stack is not None and started:
-            stack.down()
 
 
 async def _delete_topics(info: StackInfo, models: tuple[str, ...]) -> None:

@@ -12,10 +12,10 @@ from typing import Any, cast
 from kinfer.consumers.runners import BatchRunner, build_runner, resolve_model
 from kinfer.consumers.runners.generator import GenInput, Sampling
 from kinfer.consumers.runners.registry import minilm_path
-from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, log, meets_sla
+from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
 from kinfer.ops.bench.load import make_texts, open_loop, percentile
 from kinfer.ops.localstack.procs import scrape, spawn_worker, stop_process, wait_until_served
-from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
@@ -76,15 +76,10 @@ def bench_batching(
         "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK},
         "in_process_seq_per_s": {k: v["seq_per_s"] for k, v in alone["batch"].items()},
     }
-    stack = LocalStack()
-    info, started = stack.up()
-    try:
+    with local_stack() as info:
         for name in policies or list(POLICIES):
             log(f"policy {name}")
             report[name] = _bench_policy(info, name, flags, seconds_per_step, steps, lo_rps, hi_rps)
-    finally:
-        if started:
-            stack.down()
     kinfer, window = report.get("kinfer", {}), report.get("window100", {})
     if kinfer and window and window["max_sla_rps"]:
         report["kinfer_vs_window100"] = round(kinfer["max_sla_rps"] / window["max_sla_rps"], 2)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -42,6 +41,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
 from kinfer.ops.bench import hostile
+from kinfer.ops.bench.harness import local_stack, log
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
 from kinfer.producers import Client
@@ -324,15 +324,12 @@ def bench_faults(rate: float = 40.0, before_s: float = 3.0, after_s: float = 15.
     with tempfile.TemporaryDirectory(prefix="kinfer-faults-") as tmp:
         for brokers in sorted({s.brokers for s in chosen}):
             local = LocalStack(Path(tmp) / f"stack-{brokers}", brokers=brokers)
-            info, _ = local.up(timeout_s=180)
-            try:
+            with local_stack(stack=local, timeout_s=180) as info:
                 for scenario in (s for s in chosen if s.brokers == brokers):
-                    print(f"{scenario.name} ...", file=sys.stderr, flush=True)
+                    log(f"{scenario.name} ...")
                     info = local.load() or info  # a restart keeps ports, not pids
                     result = asyncio.run(_scenario(scenario, local, info, Path(tmp), rate, before_s, after_s,
                                                    deadline_ms))
                     report["scenarios"][scenario.name] = result
-                    print(f"  {result}", file=sys.stderr, flush=True)
-            finally:
-                local.down()
+                    log(f"  {result}")
     return report

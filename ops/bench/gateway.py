@@ -21,11 +21,11 @@ import sys
 import time
 from typing import Any
 
-from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, log
+from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, wait_http, wait_served
 from kinfer.ops.bench.load import make_texts
-from kinfer.ops.bench.transport import _LoadGen, _sweep, _wait_http, _wait_served
+from kinfer.ops.bench.loadgen import LoadGen, sweep
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
-from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 # (processes, threads each, batch size) × runtime: the layouts the model alone is tried in.
@@ -95,18 +95,13 @@ def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_s
         "model_alone_seq_per_s": alone, "model_alone_best_rps": alone[best], "model_alone_config": best,
         "through_gateway": {},
     }
-    stack = LocalStack()
-    info, started = stack.up()
-    try:
+    with local_stack() as info:
         runtime, shape = best.split(":")
         procs = int(shape.split("x")[0])
         shared = [f"{runtime}:1x{shape.split('x', 1)[1]}-e{procs}"] if procs > 1 else []
         for layout in dict.fromkeys([best, single, *shared]):
             rate, steps = _through_gateway(info, model, layout, alone[best], fractions, seconds_per_step, partitions)
             report["through_gateway"][layout] = {"max_rps_at_sla": rate, "steps": steps}
-    finally:
-        if started:
-            stack.down()
     chosen = max(report["through_gateway"], key=lambda k: report["through_gateway"][k]["max_rps_at_sla"])
     report["gateway_config"] = chosen
     report["gateway_max_rps_at_sla"] = report["through_gateway"][chosen]["max_rps_at_sla"]
@@ -133,20 +128,20 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
                for i in range(procs)]
     gateway = None
     try:
-        asyncio.run(_wait_served(info, served))
+        asyncio.run(wait_served(info, served))
         port = free_port()
         gateway = spawn(info, "gateway", "--port", str(port), log_path=os.path.join(info.home, "bench-serve-gw.log"))
         url = f"http://127.0.0.1:{port}"
-        _wait_http(url)
-        gen = _LoadGen(info, "http", os.path.join(info.home, "bench-serve-loadgen.log"), url=url, model=served,
-                       extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
+        wait_http(url)
+        gen = LoadGen(info, "http", served, os.path.join(info.home, "bench-serve-loadgen.log"), url=url,
+                      extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
         log(f"through the gateway: {layout} ({procs} worker(s) x {executors} executor(s) x {threads} thread(s))")
         pids = {"client": gen.proc.pid, "gateway": gateway.pid, "broker": info.kafka_pid, "redis": info.redis_pid,
                 **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
         try:
             gen.step(alone_best * 0.2, 5.0, seed=99)  # warm-up, not counted
             rates = tuple(round(alone_best * f, 1) for f in fractions)
-            swept = _sweep(gen, pids, rates, seconds, min_ok=SLA_MIN_OK)
+            swept = sweep(gen, pids, rates, seconds, min_ok=SLA_MIN_OK)
         finally:
             gen.close()
     finally:

@@ -34,10 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kinfer.ops.bench.harness import log
+from kinfer.ops.bench.harness import local_stack, log
 from kinfer.ops.bench.load import fire, percentile
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
-from kinfer.ops.localstack.stack import LocalStack, StackInfo
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
 from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, read_offsets, shared_topic_specs
@@ -64,12 +64,7 @@ def bench_overload(
     neighbour_s: float = 15.0,
 ) -> dict[str, Any]:
     """Runs on ``info`` when given (the caller's Kafka and Redis), else on the local stack."""
-    stack = LocalStack() if info is None else None
-    started = False
-    if stack is not None:
-        info, started = stack.up()
-    assert info is not None
-    try:
+    with local_stack(info) as info:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, 3)]))
         # The telemetry stream tells the lag monitor the workers' capacity and service time.
         procs = [
@@ -84,9 +79,6 @@ def bench_overload(
         finally:
             for proc in procs:
                 stop_process(proc)
-    finally:
-        if stack is not None and started:
-            stack.down()
 
 
 async def _bench(

@@ -31,11 +31,11 @@ import time
 from collections import Counter
 from typing import Any
 
-from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, log, meets_sla
+from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
 from kinfer.ops.bench.load import make_texts, percentile
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
-from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics import ColdStart, DeadlineExceeded, KinferError, Overloaded
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
@@ -95,9 +95,7 @@ def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: floa
                   "deadline_ms": deadline_ms, "swap_quantum_s": quantum_s,
                   "model": "all-MiniLM-L6-v2 under each name", "cpus": os.cpu_count()},
     }
-    stack = LocalStack()
-    info, started = stack.up()
-    try:
+    with local_stack() as info:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(),
                                                    *(t for n in names for t in model_topic_specs(n, 3))]))
         # The control first: the same load with a budget that holds every model (nothing swaps).
@@ -109,9 +107,6 @@ def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: floa
                                                           "worker_swap_ins")}
         log(f"budget for {resident} of {models}")
         report.update(_one_run(info, names, weights, hot, budget, host, quantum_s, rate, seconds, deadline_ms, seed))
-    finally:
-        if started:
-            stack.down()
     return report
 
 
