@@ -1,19 +1,18 @@
-"""Benchmarks: the model alone in process, and batching policies end to end on the local stack."""
+"""``kinfer bench batching``: batching policies end to end on the local stack, each one's highest
+open-loop rate at the SLA, next to what the model does alone in process (``model.bench_model``)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import os
-import random
 import time
-from typing import Any, cast
+from typing import Any
 
-from kinfer.consumers.runners import BatchRunner, build_runner, resolve_model
-from kinfer.consumers.runners.generator import GenInput, Sampling
 from kinfer.consumers.runners.registry import minilm_path
 from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
 from kinfer.ops.bench.load import make_texts, open_loop, percentile
+from kinfer.ops.bench.model import bench_model
 from kinfer.ops.localstack.procs import scrape, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
@@ -36,29 +35,6 @@ BENCH_MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
     "sim": ("noop", {"compute_ms": 15.0, "per_input_ms": 0.5},
             ["--family", "noop", "--option", "compute_ms=15", "--option", "per_input_ms=0.5"]),
 }
-
-
-def bench_model(
-    model: str, batch_sizes: list[int], seconds: float = 5.0, options: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Sequences/s of the bare runner at each batch size, on the same 5-120 word texts as the demo."""
-    runner = cast(BatchRunner, build_runner(resolve_model(model, options=options)))
-    runner.load()
-    runner.warmup()
-    texts = make_texts(2048, seed=3)
-    out: dict[str, Any] = {"model": model, "device": runner.device, "batch": {}}
-    for size in batch_sizes:
-        done, i, start = 0, 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            runner.run([texts[(i + k) % len(texts)] for k in range(size)])
-            done += size
-            i += size
-        elapsed = time.perf_counter() - start
-        out["batch"][str(size)] = {
-            "seq_per_s": round(done / elapsed, 1),
-            "ms_per_batch": round(elapsed / (done / size) * 1000, 2),
-        }
-    return out
 
 
 def bench_batching(
@@ -167,87 +143,3 @@ async def _step(client: Client, model: str, port: int, rate: float, seconds: flo
     verdict = "pass" if stats["meets_sla"] else "fail"
     log(f"  {rate:7.1f}/s ok={ok_fraction:.3f} p95={p95:.0f}ms p99={p99:.0f}ms {verdict}")
     return stats
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Generation: continuous vs static batching
-
-
-def bench_generation(requests: int = 96, rate: float = 40.0, max_running: int = 16, seed: int = 5) -> dict[str, Any]:
-    """Open-loop mixed workload through scheduler + runner in process, once per batching mode.
-
-    Prompts of 8-256 words, outputs of 4-128 tokens (the model has no EOS, so every output is as
-    long as asked), Poisson arrivals at ``rate``. TTFT and latency are measured from each request's
-    scheduled arrival. Both modes see the identical workload on the same loaded model.
-    """
-    from kinfer.batcher import ContinuousScheduler, GenPolicy
-    from kinfer.consumers.runners.generator import GeneratorRunner
-    from kinfer.consumers.runners.registry import tiny_lm_path
-    from kinfer.consumers.runners.tinylm import build_tiny_lm
-
-    path = build_tiny_lm(tiny_lm_path().with_name("bench-lm"), hidden=256, layers=4, eos=False)
-    runner = GeneratorRunner(path, max_prompt_tokens=512)
-    runner.load()
-    runner.warmup()
-    rng = random.Random(seed)
-    at, workload = 0.0, []
-    for i, prompt in enumerate(make_texts(requests, min_words=8, max_words=256, seed=seed)):
-        at += rng.expovariate(rate)
-        workload.append((at, GenInput(f"g{i}", prompt, Sampling(max_new_tokens=rng.randint(4, 128)))))
-    report: dict[str, Any] = {
-        "model": "tiny Llama (hidden 256, 4 layers, random weights)", "device": runner.device,
-        "requests": requests, "rate_rps": rate, "max_running": max_running,
-        "workload": "prompts 8-256 words, outputs 4-128 tokens, Poisson arrivals",
-    }
-    for mode in ("continuous", "static"):
-        sched = ContinuousScheduler(GenPolicy(mode=mode, max_running=max_running))
-        report[mode] = _drive_generation(runner, sched, workload)
-        log(f"{mode}: {report[mode]}")
-    c, st = report["continuous"], report["static"]
-    report["tokens_per_s_ratio"] = round(c["tokens_per_s"] / st["tokens_per_s"], 2)
-    report["ttft_p95_ratio"] = round(c["ttft_p95_ms"] / st["ttft_p95_ms"], 3)
-    return report
-
-
-def _drive_generation(runner: Any, sched: Any, workload: list[tuple[float, Any]]) -> dict[str, Any]:
-    from kinfer.batcher import Sequence
-
-    arrivals = {g.id: t for t, g in workload}
-    inputs = {g.id: g for _, g in workload}
-    pending = list(workload)
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    tokens = steps = 0
-    start = time.perf_counter()
-    while pending or sched.has_work():
-        now = time.perf_counter() - start
-        while pending and pending[0][0] <= now:
-            _, g = pending.pop(0)
-            sched.add(Sequence(g.id, prompt_tokens=min(512, len(g.prompt) // 3 + 2),
-                               max_new_tokens=g.sampling.max_new_tokens, arrival=now))
-        if not sched.has_work():
-            time.sleep(max(0.0, pending[0][0] - now))
-            continue
-        plan = sched.schedule(now)
-        events = runner.step([inputs[s.id] for s in plan.admit], [s.id for s, _ in plan.evict])
-        steps += 1
-        t = time.perf_counter() - start
-        for e in events:
-            tokens += 1
-            first.setdefault(e.id, t)
-            sched.advance(e.id)
-            if e.finish is not None:
-                sched.finish(e.id)
-                done[e.id] = t
-    elapsed = max(done.values()) - min(arrivals.values())
-    ttft = [(first[i] - arrivals[i]) * 1000 for i in first]
-    latency = [(done[i] - arrivals[i]) * 1000 for i in done]
-    return {
-        "tokens_per_s": round(tokens / elapsed, 1),
-        "ttft_p50_ms": round(percentile(ttft, 50), 1),
-        "ttft_p95_ms": round(percentile(ttft, 95), 1),
-        "latency_p95_ms": round(percentile(latency, 95), 1),
-        "steps": steps,
-        "completed": len(done),
-    }
