@@ -38,7 +38,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from kinfer.ops.bench.harness import local_stack, log
-from kinfer.ops.bench.load import fire, percentile
+from kinfer.ops.bench.load import fire, percentile_ms
 from kinfer.ops.control.autoscaler import AutoscaleLoop
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.control.scaling import ScalePolicy
@@ -251,7 +251,7 @@ def _summarize(run: Run, trace: Trace, scale_up: bool) -> dict[str, Any]:
         # [seconds into the trace, workers alive] at each change: 1 -> 3 -> 1 reads [[0, 1], [61.5, 2], ...]
         "replicas_over_time": [[s["t"], s["replicas"]] for i, s in enumerate(samples)
                                if i == 0 or s["replicas"] != samples[i - 1]["replicas"]],
-        "p95_ms": _ms(percentile(ok, 95)), "p99_ms": _ms(percentile(ok, 99)),
+        "p95_ms": percentile_ms(ok, 95), "p99_ms": percentile_ms(ok, 99),
         "sla_ok_fraction": round(sum(c.kind == "ok" and c.latency_ms <= SLA_MS for c in outside) / len(outside), 5)
         if outside else None,
         "lost": kinds.get("lost", 0),
@@ -283,8 +283,4 @@ def _scale_up_end(samples: list[dict[str, float]], trace: Trace) -> float | None
     if reached is None:
         return None
     return next((s["t"] for s in episode if s["t"] >= reached and s["wait_ms"] <= RECOVERED_WAIT_MS), None)
-
-
-def _ms(value: float) -> float | None:
-    return None if math.isnan(value) else round(value, 1)
 

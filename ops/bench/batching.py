@@ -11,7 +11,7 @@ from typing import Any
 
 from kinfer.consumers.runners.registry import minilm_path
 from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
-from kinfer.ops.bench.load import make_texts, open_loop, percentile
+from kinfer.ops.bench.load import make_texts, open_loop, percentile, percentile_ms
 from kinfer.ops.bench.model import bench_model
 from kinfer.ops.localstack.procs import scrape, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import StackInfo, free_port
@@ -134,8 +134,8 @@ async def _step(client: Client, model: str, port: int, rate: float, seconds: flo
     stats = {
         "rate": rate,
         "ok_fraction": round(ok_fraction, 3),
-        "p95_ms": round(p95, 1) if lat else None,
-        "p99_ms": round(p99, 1) if lat else None,
+        "p95_ms": percentile_ms(lat, 95),
+        "p99_ms": percentile_ms(lat, 99),
         "padding_ratio": round(pad_s / pad_n, 3) if pad_n else None,
         "mean_batch": report.summary()["mean_batch"],
         "meets_sla": meets_sla(ok_fraction, p95, p99),

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import IO, Any
 
 from kinfer.ops.bench.harness import cpu_seconds, log, meets_sla
-from kinfer.ops.bench.load import make_texts, percentile
+from kinfer.ops.bench.load import make_texts, percentile_ms
 from kinfer.ops.localstack.procs import scrape
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
@@ -83,14 +83,10 @@ async def run_open_loop(rate: float, seconds: float, seed: int, one: Callable[[]
     return {
         "rate": rate, "seconds": seconds, "offered": offered, "ok": ok, "errors": dict(outcomes),
         "ok_fraction": round(ok / offered, 5) if offered else 0.0,
-        "p50_ms": _ms(percentile(latencies, 50)), "p95_ms": _ms(percentile(latencies, 95)),
-        "p99_ms": _ms(percentile(latencies, 99)), "max_ms": _ms(max(latencies, default=float("nan"))),
+        "p50_ms": percentile_ms(latencies, 50), "p95_ms": percentile_ms(latencies, 95),
+        "p99_ms": percentile_ms(latencies, 99), "max_ms": percentile_ms(latencies, 100),
         "elapsed_s": round(elapsed, 2), "generator_cpu_s": round(time.process_time() - cpu0, 3),
     }
-
-
-def _ms(value: float) -> float | None:
-    return None if value != value else round(value, 1)  # NaN → null (strict JSON)
 
 
 # -- HTTP/1.1 keep-alive client -------------------------------------------------------------------

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kinfer.ops.bench.harness import local_stack, log
-from kinfer.ops.bench.load import fire, percentile
+from kinfer.ops.bench.load import fire, percentile, percentile_ms
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
@@ -279,9 +279,6 @@ def _summarize(
     recovered = next((t for t, lag in lags if t >= surge_end and lag <= settled), None)
     emptied = next((t for t, lag in lags if t >= surge_end and lag == 0), None)
 
-    def ms(values: list[float], q: float) -> float | None:
-        return round(percentile(values, q), 1) if values else None
-
     by_priority = {
         p.label: {
             "offered": sum(o.priority == p for o in outcomes),
@@ -296,18 +293,18 @@ def _summarize(
         "accepted": len(accepted),
         "rejected": len(rejected),
         "lost": max(0, unanswered - late),
-        "accepted_p95_ms": ms([o.latency_ms for o in accepted], 95),
-        "accepted_p99_ms": ms([o.latency_ms for o in accepted], 99),
-        "served_p99_ms": ms([o.latency_ms for o in accepted if o.kind == "ok"], 99),
+        "accepted_p95_ms": percentile_ms([o.latency_ms for o in accepted], 95),
+        "accepted_p99_ms": percentile_ms([o.latency_ms for o in accepted], 99),
+        "served_p99_ms": percentile_ms([o.latency_ms for o in accepted if o.kind == "ok"], 99),
         "deadline_misses": len(misses),
-        "reject_p99_ms": ms([o.call_ms for o in rejected], 99),
+        "reject_p99_ms": percentile_ms([o.call_ms for o in rejected], 99),
         "recovery_s": round(recovered - surge_end, 2) if recovered is not None else None,
         "lag_zero_s": round(emptied - surge_end, 2) if emptied is not None else None,
         "served_in_time": len(accepted) - len(misses),
         "peak_lag": max((lag for _, lag in lags), default=0),
         # The load generator's own lateness (actual call - scheduled send): latencies above count from
         # the schedule, so a generator that falls behind is charged, not hidden.
-        "send_lag_p99_ms": ms([o.latency_ms - o.call_ms for o in outcomes], 99),
+        "send_lag_p99_ms": percentile_ms([o.latency_ms - o.call_ms for o in outcomes], 99),
         "outcomes": dict(sorted({k: sum(o.kind == k for o in outcomes) for k in {o.kind for o in outcomes}}.items())),
         "by_priority": by_priority,
     }

@@ -32,7 +32,7 @@ from collections import Counter
 from typing import Any
 
 from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
-from kinfer.ops.bench.load import make_texts, percentile
+from kinfer.ops.bench.load import make_texts, percentile_ms
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
 from kinfer.ops.localstack.stack import StackInfo, free_port
@@ -169,10 +169,6 @@ def _where(outcomes: list[dict[str, Any]]) -> dict[str, float] | None:
             "latency_ms": round(statistics.fmean(o["latency_ms"] for o in outcomes), 1)}
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return round(percentile(values, q), 1) if values else None
-
-
 async def _mixed_load(bootstrap: str, redis_url: str, names: list[str], weights: list[float], hot: int, rate: float,
                       seconds: float, deadline_ms: int, seed: int, worker: Any) -> dict[str, Any]:
     monitor = LagMonitor(bootstrap, redis_url, models=names)
@@ -251,7 +247,7 @@ def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int
     for o in outcomes:
         by_model.setdefault(o["model"], Counter())[o["kind"]] += 1
     served_cold = [o["latency_ms"] for o in outcomes if o["cold_at_send"] and o["kind"] == "ok"]
-    hot_p95, hot_p99 = _pct(hot_ok, 95), _pct(hot_ok, 99)
+    hot_p95, hot_p99 = percentile_ms(hot_ok, 95), percentile_ms(hot_ok, 99)
     tail = [o for o in outcomes if o["model"] in hot and o["kind"] == "ok" and hot_p95 is not None
             and o["latency_ms"] >= hot_p95 and o.get("timings") is not None]
     return {
@@ -259,7 +255,7 @@ def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int
         "outcomes": dict(Counter(o["kind"] for o in outcomes)),
         "by_model": {m: dict(c) for m, c in sorted(by_model.items())},
         "hot_models": hot,
-        "hot_p50_ms": _pct(hot_ok, 50),
+        "hot_p50_ms": percentile_ms(hot_ok, 50),
         "hot_p95_ms": hot_p95,
         "hot_p99_ms": hot_p99,
         "hot_ok_fraction": round(len(hot_ok) / len(hot_all), 4) if hot_all else None,
@@ -273,7 +269,7 @@ def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int
         # Refused otherwise (Overloaded), by why, and whether the model had no warm replica at the send.
         "refused_by": dict(Counter(f"{o['why']}{' (cold)' if o['cold_at_send'] else ''}"
                                    for o in outcomes if o["kind"] == "refused")),
-        "cold_p50_ms": _pct([o["latency_ms"] for o in cold if o["kind"] == "ok"], 50),
+        "cold_p50_ms": percentile_ms([o["latency_ms"] for o in cold if o["kind"] == "ok"], 50),
         # A request sent while its model had no warm replica, to its result: the cold start as a caller sees it.
         "cold_start_ms": round(statistics.median(served_cold), 1) if served_cold else None,
         "cold_start_requests": len(served_cold),
