@@ -257,11 +257,11 @@ def _summarize(run: Run, trace: Trace, scale_up: bool) -> dict[str, Any]:
         "lost": kinds.get("lost", 0),
         "scale_up_s": round(end - trace.quiet_s, 1) if scale_up and end is not None else None,
         "peak_lag": max((s["lag"] for s in samples), default=0),
-        "timeline": _timeline(run.samples),
+        "timeline": timeline(run.samples),
     }
 
 
-def _timeline(samples: list[dict[str, float]]) -> dict[str, list[float | None]]:
+def timeline(samples: list[dict[str, float]]) -> dict[str, list[float | None]]:
     """The samples as columns (half the size of a list of objects), rounded; what ``plot_autoscale`` draws."""
     digits = {"t": 2, "arrival_rps": 1, "lag": 0, "wait_ms": 1, "replicas": 0}
     return {key: [_round(s[key], n) for s in samples] for key, n in digits.items()}

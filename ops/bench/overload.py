@@ -236,11 +236,11 @@ async def _run(
         if monitor is not None:
             stop_process(monitor)
     summary = _summarize(outcomes, lags, t0 + surge_s, late, deadline_ms, capacity)
-    summary["timeline"] = _timeline(outcomes, [(t - t0, lag) for t, lag in lags], deadline_ms)
+    summary["timeline"] = timeline(outcomes, [(t - t0, lag) for t, lag in lags], deadline_ms)
     return summary
 
 
-def _timeline(outcomes: list[Outcome], lags: list[tuple[float, int]], deadline_ms: int,
+def timeline(outcomes: list[Outcome], lags: list[tuple[float, int]], deadline_ms: int,
               bucket_s: float = 0.5) -> dict[str, Any]:
     """Per ``bucket_s`` of scheduled sends from the start of the surge: requests offered, refused at
     admission, served in time, and accepted but missed (the three add up to offered); the highest

@@ -220,7 +220,7 @@ async def _mixed_load(bootstrap: str, redis_url: str, names: list[str], weights:
         stop.set()
         with contextlib.suppress(Exception):
             await watching
-    return _summarise(outcomes, names[:hot], late)
+    return summarise(outcomes, names[:hot], late)
 
 
 async def _until_resident(client: Client, names: list[str], worker: Any, timeout_s: float = 300.0) -> None:
@@ -237,7 +237,10 @@ async def _until_resident(client: Client, names: list[str], worker: Any, timeout
             await asyncio.sleep(1.0)
 
 
-def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int = 0) -> dict[str, Any]:
+def summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int = 0) -> dict[str, Any]:
+    """What one run's outcomes add up to: the ``hot`` models' latency (and where their slowest answers
+    spent it), the others' cold starts and refusals, and what was lost (``late_replies``: callers that
+    gave up and were answered after)."""
     # "cold_requests*": requests to the models beyond the hot ones (the tail, swapped in and out);
     # "cold_start_ms": only those sent while their model had no warm replica, to their result.
     hot_ok = [o["latency_ms"] for o in outcomes if o["model"] in hot and o["kind"] == "ok"]

@@ -94,7 +94,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _alive(pid: int, needle: str) -> bool:
+def alive(pid: int, needle: str) -> bool:
     """True if ``pid`` runs and its command line contains ``needle`` (guards against pid reuse)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -113,7 +113,7 @@ def _stop(pid: int, needle: str, timeout_s: float = 30.0) -> None:
 
 
 def _terminate(pid: int, needle: str, timeout_s: float) -> None:
-    if not _alive(pid, needle):
+    if not alive(pid, needle):
         return
     try:
         os.killpg(pid, signal.SIGTERM)
@@ -122,14 +122,14 @@ def _terminate(pid: int, needle: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _reap(pid)
-        if not _alive(pid, needle):
+        if not alive(pid, needle):
             return
         time.sleep(0.1)
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    while _alive(pid, needle):
+    while alive(pid, needle):
         _reap(pid)
         time.sleep(0.05)
 
@@ -304,8 +304,8 @@ class LocalStack:
             self.home.mkdir(parents=True, exist_ok=True)
             secrets = sec.ensure_secure_dir(info.secure_files.root)[1]
         redis_url, kafka_opts = info.redis_url_for(), _stack_kafka_options(info)  # admin's, when secure
-        dead = [b for b in info.brokers if not _alive(b.pid, self.KAFKA_NEEDLE)]
-        redis_ok = _alive(info.redis_pid, self.REDIS_NEEDLE) and _redis_ready(redis_url)
+        dead = [b for b in info.brokers if not alive(b.pid, self.KAFKA_NEEDLE)]
+        redis_ok = alive(info.redis_pid, self.REDIS_NEEDLE) and _redis_ready(redis_url)
         if not dead and redis_ok:
             if asyncio.run(_kafka_ready(info.bootstrap, timeout_s=5, brokers=len(info.brokers), options=kafka_opts)):
                 return info, False
@@ -360,8 +360,8 @@ class LocalStack:
         return info, fresh
 
     def _any_alive(self, info: StackInfo) -> bool:
-        return _alive(info.redis_pid, self.REDIS_NEEDLE) or any(
-            _alive(b.pid, self.KAFKA_NEEDLE) for b in info.brokers)
+        return alive(info.redis_pid, self.REDIS_NEEDLE) or any(
+            alive(b.pid, self.KAFKA_NEEDLE) for b in info.brokers)
 
     def _record(self, info: StackInfo) -> None:
         self.state_file.write_text(json.dumps(asdict(info), indent=2))
@@ -383,8 +383,8 @@ class LocalStack:
         info = self.load()
         if info is None:
             return {"home": str(self.home), "state": "down"}
-        brokers = [_alive(b.pid, self.KAFKA_NEEDLE) for b in info.brokers]
-        redis = _alive(info.redis_pid, self.REDIS_NEEDLE)
+        brokers = [alive(b.pid, self.KAFKA_NEEDLE) for b in info.brokers]
+        redis = alive(info.redis_pid, self.REDIS_NEEDLE)
         running = sum(brokers) + redis
         return {
             **asdict(info),
@@ -400,7 +400,7 @@ class LocalStack:
             *((b.pid, self.KAFKA_NEEDLE, b.log) for b in info.brokers),
             (info.redis_pid, self.REDIS_NEEDLE, info.redis_log),
         ):
-            if not _alive(pid, needle):
+            if not alive(pid, needle):
                 tail = Path(logfile).read_text(errors="replace")[-3000:]
                 self.down()
                 raise StackError(f"{needle} exited during start; end of {logfile}:\n{tail}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kinfer.ops.localstack.stack import LocalStack, _alive
+from kinfer.ops.localstack.stack import LocalStack, alive
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_up_reuses_a_running_stack_and_down_leaves_nothing(tmp_path: Path) -> No
     finally:
         down = kinfer(tmp_path, "down")
     assert down.returncode == 0 and "stopped" in down.stdout
-    assert not _alive(info.kafka_pid, "kafka.Kafka")
-    assert not _alive(info.redis_pid, "redis-server")
+    assert not alive(info.kafka_pid, "kafka.Kafka")
+    assert not alive(info.redis_pid, "redis-server")
     assert kinfer(tmp_path, "status").returncode == 3
     assert "nothing was running" in kinfer(tmp_path, "down").stdout
