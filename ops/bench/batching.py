@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from kinfer.consumers.runners.registry import minilm_path
+from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
 from kinfer.ops.bench.load import make_texts, open_loop, percentile, percentile_ms
 from kinfer.ops.bench.model import bench_model
@@ -143,3 +144,34 @@ async def _step(client: Client, model: str, port: int, rate: float, seconds: flo
     verdict = "pass" if stats["meets_sla"] else "fail"
     log(f"  {rate:7.1f}/s ok={ok_fraction:.3f} p95={p95:.0f}ms p99={p99:.0f}ms {verdict}")
     return stats
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_batching(report: dict[str, Any], path: str) -> str:
+    """The max rate at the SLA per policy, and latency against rate per policy."""
+    plt = draw.pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=(0.8, 1.2))
+    policies = [p for p in POLICIES if isinstance(report.get(p), dict)]
+    maxima = [report[p].get("max_sla_rps") or 0.0 for p in policies]
+    left.bar(policies, maxima, color=[draw.SERIES_COLOURS[i] for i in range(len(policies))])
+    for x, (name, value) in enumerate(zip(policies, maxima, strict=True)):
+        run = report[name]
+        text = (f"{value:,.1f}/s\nbatch {draw.num(run.get('mean_batch'))}, "
+                f"padding {draw.num(run.get('padding_ratio'))}" if value else "never meets\nthe SLA")
+        left.annotate(text, (x, value), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    alone = sorted(report.get("in_process_seq_per_s", {}).items(), key=lambda kv: int(kv[0]))
+    for (size, seq_s), style in zip(alone, (":", "--", "-."), strict=False):
+        left.axhline(seq_s, color="grey", ls=style, lw=1, label=f"the model alone, batch {size}: {seq_s:g} seq/s")
+    if alone:
+        left.legend(fontsize=8, loc="upper left")
+    left.set_ylabel("max requests/s at the SLA")
+    left.set_ylim(0, max([*maxima, *report.get("in_process_seq_per_s", {}).values(), 1.0]) * 1.25)
+    left.grid(axis="y", alpha=0.3)
+    draw.latency_vs_rate(right, {p: report[p].get("steps", []) for p in policies}, draw.report_sla(report),
+                         maxima=maxima)
+    right.set_title("latency against offered rate (every step of the search)")
+    draw.title(fig, f"kinfer bench batching: {report.get('model', '?')} ({report.get('device', '?')}), "
+                     f"{report.get('texts', '')}")
+    return draw.save(fig, path)

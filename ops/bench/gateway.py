@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from typing import Any
 
+from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, wait_http, wait_served
 from kinfer.ops.bench.load import make_texts
 from kinfer.ops.bench.loadgen import LoadGen, sweep
@@ -149,6 +151,49 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
             if proc is not None:
                 stop_process(proc)
     return float(swept["max_rps_at_sla"]), swept["steps"]
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_serve(report: dict[str, Any], path: str) -> str:
+    """The model alone in each layout next to kinfer through the gateway (max rate at the SLA), and
+    latency against rate per gateway layout."""
+    plt = draw.pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=(1, 1.2))
+    alone = sorted(report.get("model_alone_seq_per_s", {}).items(), key=lambda kv: kv[1])
+    gateway = sorted(((k, v.get("max_rps_at_sla") or 0.0) for k, v in report.get("through_gateway", {}).items()),
+                     key=lambda kv: kv[1])
+    labels = [f"alone: {_layout(k)}" for k, _ in alone] + [f"gateway: {_layout(k)}" for k, _ in gateway]
+    values = [v for _, v in alone] + [v for _, v in gateway]
+    colours = ["#1f77b4" if k.startswith("torch") else "#17becf" for k, _ in alone] + ["#ff7f0e"] * len(gateway)
+    left.barh(range(len(values)), values, color=colours)
+    left.set_yticks(range(len(values)), labels, fontsize=8)
+    for y, v in enumerate(values):
+        left.annotate(f"{v:g}", (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    left.set_xlim(0, max([*values, 1.0]) * 1.12)
+    left.set_xlabel("the model alone: sequences/s; through the gateway: max requests/s at the SLA")
+    left.grid(axis="x", alpha=0.3)
+    steps = {f"{_layout(k)} ({draw.at_sla(v.get('max_rps_at_sla'))})": v.get("steps", [])
+             for k, v in report.get("through_gateway", {}).items()}
+    draw.latency_vs_rate(right, steps, draw.report_sla(report),
+                         maxima=[v.get("max_rps_at_sla") for v in report.get("through_gateway", {}).values()])
+    right.set_title("through the gateway: latency against offered rate")
+    ratio = report.get("ratio")
+    draw.title(fig, f"kinfer bench serve: {report.get('model', '?')} on {report.get('cpus', '?')} CPUs: through "
+                     f"the gateway {draw.num(report.get('gateway_max_rps_at_sla'))} req/s = {draw.num(ratio)} of the "
+                     f"model alone ({draw.num(report.get('model_alone_best_rps'))} seq/s)")
+    return draw.save(fig, path)
+
+
+def _layout(name: str) -> str:
+    """``onnx:2x1t-b1-e2`` -> ``onnx 2 proc x 1 thread, batch 1, 2 executors`` (else the name as it is)."""
+    m = re.fullmatch(r"(\w+):(\d+)x(\d+)t-b(\d+)(?:-e(\d+))?", name)
+    if m is None:
+        return name
+    runtime, procs, threads, batch, executors = m.groups()
+    text = f"{runtime} {procs} proc x {threads} thread{'s' if threads != '1' else ''}, batch {batch}"
+    return text + (f", {executors} executors" if executors else "")
 
 
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "alone":

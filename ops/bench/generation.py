@@ -6,7 +6,7 @@ import random
 import time
 from typing import Any
 
-from kinfer.consumers.runners.generator import GenInput, Sampling
+from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import log
 from kinfer.ops.bench.load import make_texts, percentile
 
@@ -19,7 +19,7 @@ def bench_generation(requests: int = 96, rate: float = 40.0, max_running: int = 
     scheduled arrival. Both modes see the identical workload on the same loaded model.
     """
     from kinfer.batcher import ContinuousScheduler, GenPolicy
-    from kinfer.consumers.runners.generator import GeneratorRunner
+    from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, Sampling
     from kinfer.consumers.runners.registry import tiny_lm_path
     from kinfer.consumers.runners.tinylm import build_tiny_lm
 
@@ -88,3 +88,38 @@ def _drive_generation(runner: Any, sched: Any, workload: list[tuple[float, Any]]
         "steps": steps,
         "completed": len(done),
     }
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_generation(report: dict[str, Any], path: str) -> str:
+    """Continuous against static batching: tokens/s, time to first token, forward passes."""
+    plt = draw.pyplot()
+    fig, (tokens, times, passes) = plt.subplots(1, 3, figsize=(13, 4.8), width_ratios=(0.7, 1.4, 0.7))
+    modes = [m for m in ("continuous", "static") if isinstance(report.get(m), dict)]
+    colours = [draw.SERIES_COLOURS[i] for i in range(len(modes))]
+    tokens.bar(modes, [report[m].get("tokens_per_s") or 0.0 for m in modes], color=colours)
+    tokens.set_ylabel("tokens/s (higher is better)")
+    draw.label_bars(tokens, fmt="{:,.0f}")
+    metrics = (("ttft_p50_ms", "TTFT p50"), ("ttft_p95_ms", "TTFT p95"), ("latency_p95_ms", "latency p95"))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(metrics))]
+        times.bar(xs, [(report[mode].get(k) or 0.0) / 1000.0 for k, _ in metrics], width, label=mode,
+                  color=colours[i])
+    times.set_xticks(range(len(metrics)), [label for _, label in metrics])
+    times.set_ylabel("seconds (lower is better)")
+    times.legend()
+    draw.label_bars(times, fmt="{:.2f}")
+    passes.bar(modes, [report[m].get("steps") or 0 for m in modes], color=colours)
+    passes.set_ylabel("forward passes")
+    draw.label_bars(passes, fmt="{:,.0f}")
+    for ax in (tokens, times, passes):
+        ax.grid(axis="y", alpha=0.3)
+    draw.title(fig, f"kinfer bench generation: {report.get('model', '?')} ({report.get('device', '?')}), "
+                     f"{report.get('requests', '?')} requests at {report.get('rate_rps', '?')}/s, max_running "
+                     f"{report.get('max_running', '?')}: continuous/static tokens/s "
+                     f"{draw.num(report.get('tokens_per_s_ratio'))}x, "
+                     f"TTFT p95 {draw.num(report.get('ttft_p95_ratio'))}x")
+    return draw.save(fig, path)

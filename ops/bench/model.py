@@ -6,6 +6,7 @@ import time
 from typing import Any, cast
 
 from kinfer.consumers.runners import BatchRunner, build_runner, resolve_model
+from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.load import make_texts
 
 
@@ -30,3 +31,23 @@ def bench_model(
             "ms_per_batch": round(elapsed / (done / size) * 1000, 2),
         }
     return out
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_model(report: dict[str, Any], path: str) -> str:
+    """Sequences/s by batch size."""
+    plt = draw.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sizes = sorted(report["batch"].items(), key=lambda kv: int(kv[0]))
+    ax.bar([f"batch {k}" for k, _ in sizes], [v.get("seq_per_s") or 0.0 for _, v in sizes], color="#1f77b4")
+    for x, (_, v) in enumerate(sizes):
+        ax.annotate(f"{draw.num(v.get('seq_per_s'))} seq/s\n{draw.num(v.get('ms_per_batch'))} ms a batch",
+                    (x, v.get("seq_per_s") or 0.0), xytext=(0, 3), textcoords="offset points", ha="center",
+                    fontsize=8)
+    ax.set_ylim(0, max([v.get("seq_per_s") or 0.0 for _, v in sizes] + [1.0]) * 1.25)
+    ax.set_ylabel("sequences/s")
+    ax.grid(axis="y", alpha=0.3)
+    draw.title(fig, f"kinfer bench model: {report.get('model', '?')} ({report.get('device', '?')}), in process")
+    return draw.save(fig, path)

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
 from kinfer.ops.bench.load import make_texts, percentile_ms
 from kinfer.ops.control.lagmon import LagMonitor
@@ -282,3 +283,42 @@ def summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int 
         "lost": max(0, sum(1 for o in outcomes if o["kind"] == "timed_out") - late_replies),
         "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS},
     }
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_placement(report: dict[str, Any], path: str) -> str:
+    """Swap-in per model and tier; the mixed run's outcomes per model (hot first)."""
+    plt = draw.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 2]})
+    models = report.get("swap_in_ms_by_model", {})
+    names = list(models)
+    for i, tier in enumerate(("disk", "ram")):
+        ax1.bar([x + i * 0.38 for x in range(len(names))], [models[n].get(tier) or 0.0 for n in names], 0.38,
+                label=f"from {tier}", color=draw.SERIES_COLOURS[i])
+    ax1.set_xticks([x + 0.19 for x in range(len(names))], names)
+    ax1.set_ylabel("swap-in to serving, ms (in process)")
+    ax1.legend(fontsize=8)
+    ax1.grid(axis="y", alpha=0.3)
+    by_model = report.get("by_model", {})
+    kinds = sorted({k for counts in by_model.values() for k in counts}, key=lambda k: (k != "ok", k))
+    order = list(by_model)
+    bottom = [0.0] * len(order)
+    for i, kind in enumerate(kinds):
+        values = [float(by_model[m].get(kind, 0)) for m in order]
+        colour = draw.SERIES_COLOURS[i % len(draw.SERIES_COLOURS)]
+        ax2.bar(range(len(order)), values, bottom=bottom, label=kind, color=colour)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    hot = set(report.get("hot_models", []))
+    ax2.set_xticks(range(len(order)), [f"{m.rsplit('-', 1)[-1]}{' (hot)' if m in hot else ''}" for m in order])
+    ax2.set_ylabel("requests")
+    ax2.legend(fontsize=8)
+    ax2.grid(axis="y", alpha=0.3)
+    setup = report.get("setup", {})
+    draw.title(fig, f"kinfer bench placement: {setup.get('models', '?')} models, "
+                     f"budget for {setup.get('resident', '?')}, {setup.get('rate_rps', '?')}/s "
+                     f"Zipf({setup.get('zipf_s', '?')}); hot p95/p99 "
+                     f"{draw.num(report.get('hot_p95_ms'))}/{draw.num(report.get('hot_p99_ms'))} ms, cold start "
+                     f"{draw.num(report.get('cold_start_ms'))} ms, lost {report.get('lost', '?')}")
+    return draw.save(fig, path)

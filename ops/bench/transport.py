@@ -13,6 +13,7 @@ import asyncio
 import os
 from typing import Any
 
+from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log, wait_http, wait_served
 from kinfer.ops.bench.loadgen import LoadGen, sweep
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
@@ -23,11 +24,12 @@ SLA_MIN_OK = 0.999
 MODEL = "bench-transport"
 LIBRARY_RATES = (500.0, 1000.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 8000.0)
 HTTP_RATES = (500.0, 1000.0, 1500.0, 2000.0, 2500.0, 3000.0, 4000.0)
+PATHS = ("library", "http")  # through the client library; through the HTTP gateway
 
 
 def bench_transport(
     seconds: float = 10.0, library_rates: tuple[float, ...] = LIBRARY_RATES,
-    http_rates: tuple[float, ...] = HTTP_RATES, paths: tuple[str, ...] = ("library", "http"),
+    http_rates: tuple[float, ...] = HTTP_RATES, paths: tuple[str, ...] = PATHS,
     partitions: int = 3, worker_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
@@ -71,3 +73,68 @@ def bench_transport(
                 if proc is not None:
                     stop_process(proc)
     return report
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+# One colour per process wherever CPU is stacked; unknown processes (worker0, ...) take the next free.
+PROCESS_COLOURS = {"client": "#1f77b4", "gateway": "#9467bd", "worker": "#ff7f0e", "broker": "#2ca02c",
+                   "redis": "#d62728"}
+
+
+def plot_transport(report: dict[str, Any], path: str) -> str:
+    """P95 and P99 against the offered rate, per path, with the SLA lines; under it the CPU per
+    request of each process (stacked) at each rate step, library and HTTP."""
+    plt = draw.pyplot()
+    paths = [p for p in PATHS if isinstance(report.get(p), dict)]
+    fig = plt.figure(figsize=(12, 8.5))
+    grid = fig.add_gridspec(2, len(paths), height_ratios=(1.1, 1))
+    ax = fig.add_subplot(grid[0, :])
+    series = {f"{p} ({draw.at_sla(report[p].get('max_rps_at_sla'))})": report[p]["steps"] for p in paths}
+    draw.latency_vs_rate(ax, series, draw.report_sla(report), maxima=[report[p].get("max_rps_at_sla") for p in paths])
+    ax.set_title("latency against offered rate (filled: the step met the SLA; x: an earlier try at that rate)")
+    shared = None
+    for i, name in enumerate(paths):
+        bars = fig.add_subplot(grid[1, i], sharey=shared)
+        shared = shared or bars
+        _cpu_bars(bars, report[name]["steps"])
+        bars.set_title(f"{name}: CPU per request by process (hatched: missed the SLA)")
+    draw.title(fig, f"kinfer bench transport: {report.get('model', 'noop')}, "
+                     f"{report.get('seconds_per_step', '?')} s a step, {report.get('cpus', '?')} CPUs")
+    return draw.save(fig, path)
+
+
+def _cpu_bars(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """CPU ms per request of each process, stacked, one bar per rate step (retries included)."""
+    steps = sorted(steps, key=lambda s: (s["rate"], s.get("attempt", 1)))
+    processes: list[str] = []
+    for step in steps:
+        for name in step.get("cpu_ms_per_request") or {}:
+            if name != "total" and name not in processes:
+                processes.append(name)
+    order = list(PROCESS_COLOURS)
+    processes.sort(key=lambda p: (order.index(_base(p)) if _base(p) in order else len(order), p))
+    spare = iter(c for c in draw.SERIES_COLOURS[5:] * 4)
+    colours = {p: PROCESS_COLOURS.get(p) or next(spare) for p in processes}
+    xs = list(range(len(steps)))
+    bottom = [0.0] * len(steps)
+    for name in processes:
+        values = [float((s.get("cpu_ms_per_request") or {}).get(name) or 0.0) for s in steps]
+        hatches = ["" if s.get("meets_sla") else "//" for s in steps]
+        bars = ax.bar(xs, values, bottom=bottom, color=colours[name], label=name)
+        for bar, hatch in zip(bars, hatches, strict=True):
+            bar.set_hatch(hatch)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, total in zip(xs, bottom, strict=True):
+        ax.annotate(f"{total:.2f}", (x, total), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7)
+    ax.set_xticks(xs, [f"{s['rate']:g}" + (f"\ntry {s['attempt']}" if s.get("attempt", 1) > 1 else "")
+                       for s in steps], fontsize=8)
+    ax.set_xlabel("offered rate (requests/s)")
+    ax.set_ylabel("CPU ms per request answered")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _base(process: str) -> str:
+    return process.rstrip("0123456789")
