@@ -12,10 +12,11 @@ import signal
 
 import redis.asyncio as aioredis
 
+from kinfer.ops.bench.harness import local_stack
 from kinfer.ops.bench.load import LoadReport, make_texts, open_loop
 from kinfer.ops.control.status import render, snapshot
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
-from kinfer.ops.localstack.stack import LocalStack, StackInfo
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
@@ -48,31 +49,26 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_demo(requests: int, rate: float, model: str, partitions: int) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # a killed demo still stops what it started
-    stack = LocalStack()
-    info, started = stack.up()
-    print(f"{'started' if started else 'reusing'} Kafka at {info.bootstrap}, Redis at {info.redis_url}")
-    procs = []
-    try:
-        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, partitions)]))
-        log_path = os.path.join(info.home, f"demo-worker-{model}.log")
-        procs.append(spawn_worker(info, model, log_path=log_path))
-        print(f"worker for {model} starting (log: {log_path})")
-        procs.append(spawn(info, "lagmon", "--model", model, log_path=os.path.join(info.home, "demo-lagmon.log")))
-        procs.append(spawn(info, "telemetry", "--app-id", "kinfer-telemetry-demo",
-                           log_path=os.path.join(info.home, "demo-telemetry.log")))
-        print("lag monitor and telemetry stream starting")
-        report = asyncio.run(_drive(info, model, requests, rate))
-        print("\nkinfer status:")
-        print(asyncio.run(_status(info)))
-        print_report(report)
-        # Success is every request answered: on a busy machine a few may be shed, and say so.
-        return 0 if len(report.outcomes) == requests else 1
-    finally:
-        for proc in procs:
-            stop_process(proc)
-        if started:
-            stack.down()
-            print("stack stopped")
+    with local_stack(say=print) as info:
+        procs = []
+        try:
+            asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, partitions)]))
+            log_path = os.path.join(info.home, f"demo-worker-{model}.log")
+            procs.append(spawn_worker(info, model, log_path=log_path))
+            print(f"worker for {model} starting (log: {log_path})")
+            procs.append(spawn(info, "lagmon", "--model", model, log_path=os.path.join(info.home, "demo-lagmon.log")))
+            procs.append(spawn(info, "telemetry", "--app-id", "kinfer-telemetry-demo",
+                               log_path=os.path.join(info.home, "demo-telemetry.log")))
+            print("lag monitor and telemetry stream starting")
+            report = asyncio.run(_drive(info, model, requests, rate))
+            print("\nkinfer status:")
+            print(asyncio.run(_status(info)))
+            print_report(report)
+            # Success is every request answered: on a busy machine a few may be shed, and say so.
+            return 0 if len(report.outcomes) == requests else 1
+        finally:
+            for proc in procs:
+                stop_process(proc)
 
 
 async def _status(info: StackInfo) -> str:

@@ -17,7 +17,7 @@ bound), ``lost`` (no answer at all by the deadline), ``scale_up_s`` (from the st
 replicas reached the episode's peak and the predicted wait was back under 100 ms; the requests
 of that span are the ones ``sla_ok_fraction`` leaves out); ``timeline``: the lag monitor's view
 every half second (arrivals, lag, predicted wait) and the workers alive, as columns.
-``ops.plots.plot_autoscale`` draws them, both runs, from the report (``--plot``).
+``plot_autoscale`` (below) draws them, both runs, from the report (``--plot``).
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from kinfer.ops.bench.harness import log
-from kinfer.ops.bench.load import fire, percentile
+from kinfer.ops.bench import drawing as draw
+from kinfer.ops.bench.harness import local_stack, log
+from kinfer.ops.bench.load import fire, percentile_ms
 from kinfer.ops.control.autoscaler import AutoscaleLoop
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.control.scaling import ScalePolicy
 from kinfer.ops.localstack.pool import LocalPool
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
-from kinfer.ops.localstack.stack import LocalStack, StackInfo
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import DeadlineExceeded, KinferError
 from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
@@ -114,14 +115,9 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
     trace = trace or Trace()
     policy = policy or ScalePolicy(min_replicas=1, max_replicas=partitions, up_cooldown_s=5.0, down_cooldown_s=10.0,
                                    down_window_s=20.0, drain_s=5.0)
-    stack = LocalStack() if info is None else None
-    started = False
-    if stack is not None:
-        info, started = stack.up()
-    assert info is not None
     tag = f"{os.getpid()}"
     models = (f"bench-autoscale-{tag}", f"bench-static-{tag}")
-    try:
+    with local_stack(info) as info:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(),
                                                    *(s for m in models for s in model_topic_specs(m, partitions))]))
         telemetry = spawn(info, "telemetry", "--app-id", f"kinfer-telemetry-autoscale-{tag}", "--window-s", "5",
@@ -145,16 +141,11 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
                 report["static_peak"] = {**static, "replicas": static_n}
                 report["worker_seconds_ratio"] = round(auto["worker_seconds"] / static["worker_seconds"], 3)
             if plot:
-                from kinfer.ops.bench.plots import plot_autoscale
-
                 report["plot"] = plot_autoscale(report, plot)
             return report
         finally:
             stop_process(telemetry)
             asyncio.run(_delete_topics(info, models))
-    finally:
-        if stack is not None and started:
-            stack.down()
 
 
 async def _delete_topics(info: StackInfo, models: tuple[str, ...]) -> None:
@@ -259,17 +250,17 @@ def _summarize(run: Run, trace: Trace, scale_up: bool) -> dict[str, Any]:
         # [seconds into the trace, workers alive] at each change: 1 -> 3 -> 1 reads [[0, 1], [61.5, 2], ...]
         "replicas_over_time": [[s["t"], s["replicas"]] for i, s in enumerate(samples)
                                if i == 0 or s["replicas"] != samples[i - 1]["replicas"]],
-        "p95_ms": _ms(percentile(ok, 95)), "p99_ms": _ms(percentile(ok, 99)),
+        "p95_ms": percentile_ms(ok, 95), "p99_ms": percentile_ms(ok, 99),
         "sla_ok_fraction": round(sum(c.kind == "ok" and c.latency_ms <= SLA_MS for c in outside) / len(outside), 5)
         if outside else None,
         "lost": kinds.get("lost", 0),
         "scale_up_s": round(end - trace.quiet_s, 1) if scale_up and end is not None else None,
         "peak_lag": max((s["lag"] for s in samples), default=0),
-        "timeline": _timeline(run.samples),
+        "timeline": timeline(run.samples),
     }
 
 
-def _timeline(samples: list[dict[str, float]]) -> dict[str, list[float | None]]:
+def timeline(samples: list[dict[str, float]]) -> dict[str, list[float | None]]:
     """The samples as columns (half the size of a list of objects), rounded; what ``plot_autoscale`` draws."""
     digits = {"t": 2, "arrival_rps": 1, "lag": 0, "wait_ms": 1, "replicas": 0}
     return {key: [_round(s[key], n) for s in samples] for key, n in digits.items()}
@@ -293,6 +284,52 @@ def _scale_up_end(samples: list[dict[str, float]], trace: Trace) -> float | None
     return next((s["t"] for s in episode if s["t"] >= reached and s["wait_ms"] <= RECOVERED_WAIT_MS), None)
 
 
-def _ms(value: float) -> float | None:
-    return None if math.isnan(value) else round(value, 1)
+# -- the picture ----------------------------------------------------------------------------------------
 
+
+# The two runs of a report, as the picture names them.
+RUNS = (("autoscaled", "autoscaled"), ("static_peak", "static peak"))
+
+
+def plot_autoscale(report: dict[str, Any], path: str) -> str:
+    """From each run's ``timeline`` (arrivals, lag, predicted wait, workers every half second) when
+    the report has one; older reports have only ``replicas_over_time``: workers against the trace."""
+    plt = draw.pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    trace = Trace(**report["trace"])
+    runs = [(key, label) for key, label in RUNS if isinstance(report.get(key), dict)]
+    full = all(isinstance(report[key].get("timeline"), dict) for key, _ in runs)
+    panels = (("arrival_rps", "arrivals /s"), ("lag", "lag (records)"), ("wait_ms", "predicted wait (ms)"),
+              ("replicas", "workers alive")) if full else (("arrival_rps", "offered /s"), ("replicas", "workers alive"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.5 * len(panels) + 0.5), sharex=True)
+    grid = [i * 0.5 for i in range(int(trace.duration_s * 2) + 1)]
+    axes[0].plot(grid, [trace.rate_at(x) for x in grid], "k:", label="offered (trace)")
+    for i, (key, label) in enumerate(runs):
+        run, colour = report[key], draw.SERIES_COLOURS[i]
+        legend = (f"{label}: {draw.num(run.get('worker_seconds'))} worker-s, p95 {draw.num(run.get('p95_ms'))} / "
+                  f"p99 {draw.num(run.get('p99_ms'))} ms")
+        if full:
+            line = run["timeline"]
+            for ax, (column, _) in zip(axes, panels, strict=True):
+                if column == "replicas":
+                    ax.step(line["t"], line[column], where="post", label=legend, color=colour)
+                else:
+                    ax.plot(line["t"], line[column], label=label, color=colour)
+        else:
+            changes = run.get("replicas_over_time") or [[0.0, run.get("replicas", 0)]]
+            ts = [float(t) for t, _ in changes] + [trace.duration_s]
+            ns = [n for _, n in changes] + [changes[-1][1]]
+            axes[-1].step(ts, ns, where="post", label=legend, color=colour)
+    for ax, (_, label) in zip(axes, panels, strict=True):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    axes[-1].yaxis.set_major_locator(MaxNLocator(integer=True))
+    if full:
+        axes[2].set_yscale("symlog", linthresh=100)
+    axes[-1].set_xlabel("seconds into the trace")
+    ratio = report.get("worker_seconds_ratio")
+    draw.title(fig, "kinfer bench autoscale: lag-driven autoscaling vs static peak provisioning"
+                     + (f" (worker-seconds {ratio} of static)" if ratio is not None else ""))
+    return draw.save(fig, path)

@@ -1,21 +1,21 @@
-"""Benchmarks: the model alone in process, and batching policies end to end on the local stack."""
+"""``kinfer bench batching``: batching policies end to end on the local stack, each one's highest
+open-loop rate at the SLA, next to what the model does alone in process (``model.bench_model``)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import os
-import random
 import time
-from typing import Any, cast
+from typing import Any
 
-from kinfer.consumers.runners import BatchRunner, build_runner, resolve_model
-from kinfer.consumers.runners.generator import GenInput, Sampling
 from kinfer.consumers.runners.registry import minilm_path
-from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, log, meets_sla
-from kinfer.ops.bench.load import make_texts, open_loop, percentile
+from kinfer.ops.bench import drawing as draw
+from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
+from kinfer.ops.bench.load import make_texts, open_loop, percentile, percentile_ms
+from kinfer.ops.bench.model import bench_model
 from kinfer.ops.localstack.procs import scrape, spawn_worker, stop_process, wait_until_served
-from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
@@ -38,29 +38,6 @@ BENCH_MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
 }
 
 
-def bench_model(
-    model: str, batch_sizes: list[int], seconds: float = 5.0, options: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Sequences/s of the bare runner at each batch size, on the same 5-120 word texts as the demo."""
-    runner = cast(BatchRunner, build_runner(resolve_model(model, options=options)))
-    runner.load()
-    runner.warmup()
-    texts = make_texts(2048, seed=3)
-    out: dict[str, Any] = {"model": model, "device": runner.device, "batch": {}}
-    for size in batch_sizes:
-        done, i, start = 0, 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            runner.run([texts[(i + k) % len(texts)] for k in range(size)])
-            done += size
-            i += size
-        elapsed = time.perf_counter() - start
-        out["batch"][str(size)] = {
-            "seq_per_s": round(done / elapsed, 1),
-            "ms_per_batch": round(elapsed / (done / size) * 1000, 2),
-        }
-    return out
-
-
 def bench_batching(
     seconds_per_step: float = 8.0, steps: int = 6, lo_rps: float = 10.0, hi_rps: float = 256.0,
     policies: list[str] | None = None, model: str = "minilm",
@@ -76,15 +53,10 @@ def bench_batching(
         "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS, "min_ok": SLA_MIN_OK},
         "in_process_seq_per_s": {k: v["seq_per_s"] for k, v in alone["batch"].items()},
     }
-    stack = LocalStack()
-    info, started = stack.up()
-    try:
+    with local_stack() as info:
         for name in policies or list(POLICIES):
             log(f"policy {name}")
             report[name] = _bench_policy(info, name, flags, seconds_per_step, steps, lo_rps, hi_rps)
-    finally:
-        if started:
-            stack.down()
     kinfer, window = report.get("kinfer", {}), report.get("window100", {})
     if kinfer and window and window["max_sla_rps"]:
         report["kinfer_vs_window100"] = round(kinfer["max_sla_rps"] / window["max_sla_rps"], 2)
@@ -163,8 +135,8 @@ async def _step(client: Client, model: str, port: int, rate: float, seconds: flo
     stats = {
         "rate": rate,
         "ok_fraction": round(ok_fraction, 3),
-        "p95_ms": round(p95, 1) if lat else None,
-        "p99_ms": round(p99, 1) if lat else None,
+        "p95_ms": percentile_ms(lat, 95),
+        "p99_ms": percentile_ms(lat, 99),
         "padding_ratio": round(pad_s / pad_n, 3) if pad_n else None,
         "mean_batch": report.summary()["mean_batch"],
         "meets_sla": meets_sla(ok_fraction, p95, p99),
@@ -174,85 +146,32 @@ async def _step(client: Client, model: str, port: int, rate: float, seconds: flo
     return stats
 
 
-
-# ---------------------------------------------------------------------------------------------
-# Generation: continuous vs static batching
+# -- the picture ----------------------------------------------------------------------------------------
 
 
-def bench_generation(requests: int = 96, rate: float = 40.0, max_running: int = 16, seed: int = 5) -> dict[str, Any]:
-    """Open-loop mixed workload through scheduler + runner in process, once per batching mode.
-
-    Prompts of 8-256 words, outputs of 4-128 tokens (the model has no EOS, so every output is as
-    long as asked), Poisson arrivals at ``rate``. TTFT and latency are measured from each request's
-    scheduled arrival. Both modes see the identical workload on the same loaded model.
-    """
-    from kinfer.batcher import ContinuousScheduler, GenPolicy
-    from kinfer.consumers.runners.generator import GeneratorRunner
-    from kinfer.consumers.runners.registry import tiny_lm_path
-    from kinfer.consumers.runners.tinylm import build_tiny_lm
-
-    path = build_tiny_lm(tiny_lm_path().with_name("bench-lm"), hidden=256, layers=4, eos=False)
-    runner = GeneratorRunner(path, max_prompt_tokens=512)
-    runner.load()
-    runner.warmup()
-    rng = random.Random(seed)
-    at, workload = 0.0, []
-    for i, prompt in enumerate(make_texts(requests, min_words=8, max_words=256, seed=seed)):
-        at += rng.expovariate(rate)
-        workload.append((at, GenInput(f"g{i}", prompt, Sampling(max_new_tokens=rng.randint(4, 128)))))
-    report: dict[str, Any] = {
-        "model": "tiny Llama (hidden 256, 4 layers, random weights)", "device": runner.device,
-        "requests": requests, "rate_rps": rate, "max_running": max_running,
-        "workload": "prompts 8-256 words, outputs 4-128 tokens, Poisson arrivals",
-    }
-    for mode in ("continuous", "static"):
-        sched = ContinuousScheduler(GenPolicy(mode=mode, max_running=max_running))
-        report[mode] = _drive_generation(runner, sched, workload)
-        log(f"{mode}: {report[mode]}")
-    c, st = report["continuous"], report["static"]
-    report["tokens_per_s_ratio"] = round(c["tokens_per_s"] / st["tokens_per_s"], 2)
-    report["ttft_p95_ratio"] = round(c["ttft_p95_ms"] / st["ttft_p95_ms"], 3)
-    return report
-
-
-def _drive_generation(runner: Any, sched: Any, workload: list[tuple[float, Any]]) -> dict[str, Any]:
-    from kinfer.batcher import Sequence
-
-    arrivals = {g.id: t for t, g in workload}
-    inputs = {g.id: g for _, g in workload}
-    pending = list(workload)
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    tokens = steps = 0
-    start = time.perf_counter()
-    while pending or sched.has_work():
-        now = time.perf_counter() - start
-        while pending and pending[0][0] <= now:
-            _, g = pending.pop(0)
-            sched.add(Sequence(g.id, prompt_tokens=min(512, len(g.prompt) // 3 + 2),
-                               max_new_tokens=g.sampling.max_new_tokens, arrival=now))
-        if not sched.has_work():
-            time.sleep(max(0.0, pending[0][0] - now))
-            continue
-        plan = sched.schedule(now)
-        events = runner.step([inputs[s.id] for s in plan.admit], [s.id for s, _ in plan.evict])
-        steps += 1
-        t = time.perf_counter() - start
-        for e in events:
-            tokens += 1
-            first.setdefault(e.id, t)
-            sched.advance(e.id)
-            if e.finish is not None:
-                sched.finish(e.id)
-                done[e.id] = t
-    elapsed = max(done.values()) - min(arrivals.values())
-    ttft = [(first[i] - arrivals[i]) * 1000 for i in first]
-    latency = [(done[i] - arrivals[i]) * 1000 for i in done]
-    return {
-        "tokens_per_s": round(tokens / elapsed, 1),
-        "ttft_p50_ms": round(percentile(ttft, 50), 1),
-        "ttft_p95_ms": round(percentile(ttft, 95), 1),
-        "latency_p95_ms": round(percentile(latency, 95), 1),
-        "steps": steps,
-        "completed": len(done),
-    }
+def plot_batching(report: dict[str, Any], path: str) -> str:
+    """The max rate at the SLA per policy, and latency against rate per policy."""
+    plt = draw.pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=(0.8, 1.2))
+    policies = [p for p in POLICIES if isinstance(report.get(p), dict)]
+    maxima = [report[p].get("max_sla_rps") or 0.0 for p in policies]
+    left.bar(policies, maxima, color=[draw.SERIES_COLOURS[i] for i in range(len(policies))])
+    for x, (name, value) in enumerate(zip(policies, maxima, strict=True)):
+        run = report[name]
+        text = (f"{value:,.1f}/s\nbatch {draw.num(run.get('mean_batch'))}, "
+                f"padding {draw.num(run.get('padding_ratio'))}" if value else "never meets\nthe SLA")
+        left.annotate(text, (x, value), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    alone = sorted(report.get("in_process_seq_per_s", {}).items(), key=lambda kv: int(kv[0]))
+    for (size, seq_s), style in zip(alone, (":", "--", "-."), strict=False):
+        left.axhline(seq_s, color="grey", ls=style, lw=1, label=f"the model alone, batch {size}: {seq_s:g} seq/s")
+    if alone:
+        left.legend(fontsize=8, loc="upper left")
+    left.set_ylabel("max requests/s at the SLA")
+    left.set_ylim(0, max([*maxima, *report.get("in_process_seq_per_s", {}).values(), 1.0]) * 1.25)
+    left.grid(axis="y", alpha=0.3)
+    draw.latency_vs_rate(right, {p: report[p].get("steps", []) for p in policies}, draw.report_sla(report),
+                         maxima=maxima)
+    right.set_title("latency against offered rate (every step of the search)")
+    draw.title(fig, f"kinfer bench batching: {report.get('model', '?')} ({report.get('device', '?')}), "
+                     f"{report.get('texts', '')}")
+    return draw.save(fig, path)

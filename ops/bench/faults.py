@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import tempfile
 import time
 import uuid
@@ -41,7 +40,9 @@ import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
+from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench import hostile
+from kinfer.ops.bench.harness import local_stack, log
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
 from kinfer.producers import Client
@@ -324,15 +325,52 @@ def bench_faults(rate: float = 40.0, before_s: float = 3.0, after_s: float = 15.
     with tempfile.TemporaryDirectory(prefix="kinfer-faults-") as tmp:
         for brokers in sorted({s.brokers for s in chosen}):
             local = LocalStack(Path(tmp) / f"stack-{brokers}", brokers=brokers)
-            info, _ = local.up(timeout_s=180)
-            try:
+            with local_stack(stack=local, timeout_s=180) as info:
                 for scenario in (s for s in chosen if s.brokers == brokers):
-                    print(f"{scenario.name} ...", file=sys.stderr, flush=True)
+                    log(f"{scenario.name} ...")
                     info = local.load() or info  # a restart keeps ports, not pids
                     result = asyncio.run(_scenario(scenario, local, info, Path(tmp), rate, before_s, after_s,
                                                    deadline_ms))
                     report["scenarios"][scenario.name] = result
-                    print(f"  {result}", file=sys.stderr, flush=True)
-            finally:
-                local.down()
+                    log(f"  {result}")
     return report
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_faults(report: dict[str, Any], path: str) -> str:
+    """Recovery time per fault; lost, errors and duplicates per fault."""
+    plt = draw.pyplot()
+    scenarios = list(report.get("scenarios", {}).items())
+    height = 1.5 + 0.45 * len(scenarios)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, height), sharey=True)
+    ys = list(range(len(scenarios)))[::-1]  # the first scenario on top
+    names = [f"{name.replace('_', ' ')} ({row.get('ok', '?')}/{row.get('offered', '?')} ok)" for name, row in scenarios]
+    recovery = [row.get("recovery_s") or 0.0 for _, row in scenarios]
+    left.barh(ys, recovery, color="#1f77b4")
+    for y, v in zip(ys, recovery, strict=True):
+        left.annotate(f"{v:.1f} s", (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    left.set_yticks(ys, names, fontsize=8)
+    left.set_xlabel("recovery (s): from the fault to the last request slower than 1 s")
+    left.set_xlim(0, max([*recovery, 1.0]) * 1.2)
+    left.grid(axis="x", alpha=0.3)
+    counts = (("lost", "lost"), ("error", "error"), ("unaccepted", "unaccepted"),
+              ("duplicates_delivered", "duplicates delivered"), ("duplicates_dropped", "duplicates dropped"))
+    width = 0.8 / len(counts)
+    colours = ("#d62728", "#ff7f0e", "#8c564b", "#9467bd", "#7f7f7f")
+    for i, (key, label) in enumerate(counts):
+        offsets = [y + ((len(counts) - 1) / 2 - i) * width for y in ys]
+        right.barh(offsets, [row.get(key) or 0 for _, row in scenarios], width, label=label, color=colours[i])
+    draw.label_bars(right, fmt="{:,.0f}")
+    for y, (_, row) in zip(ys, scenarios, strict=True):
+        if not any(row.get(k) for k, _ in counts):
+            right.annotate("none", (0, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8,
+                           color="grey")
+    right.set_xlabel("requests")
+    right.legend(fontsize=8, loc="lower right")
+    right.grid(axis="x", alpha=0.3)
+    draw.title(fig, f"kinfer bench faults: {report.get('workers', '?')} workers, "
+                     f"{draw.num(report.get('rate'))} requests/s for {draw.num(report.get('seconds'))} s, "
+                     f"deadline {report.get('deadline_ms', '?')} ms")
+    return draw.save(fig, path)

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from typing import Any
 
-from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, log
+from kinfer.ops.bench import drawing as draw
+from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, wait_http, wait_served
 from kinfer.ops.bench.load import make_texts
-from kinfer.ops.bench.transport import _LoadGen, _sweep, _wait_http, _wait_served
+from kinfer.ops.bench.loadgen import LoadGen, sweep
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
-from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 
 # (processes, threads each, batch size) × runtime: the layouts the model alone is tried in.
@@ -95,18 +97,13 @@ def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_s
         "model_alone_seq_per_s": alone, "model_alone_best_rps": alone[best], "model_alone_config": best,
         "through_gateway": {},
     }
-    stack = LocalStack()
-    info, started = stack.up()
-    try:
+    with local_stack() as info:
         runtime, shape = best.split(":")
         procs = int(shape.split("x")[0])
         shared = [f"{runtime}:1x{shape.split('x', 1)[1]}-e{procs}"] if procs > 1 else []
         for layout in dict.fromkeys([best, single, *shared]):
             rate, steps = _through_gateway(info, model, layout, alone[best], fractions, seconds_per_step, partitions)
             report["through_gateway"][layout] = {"max_rps_at_sla": rate, "steps": steps}
-    finally:
-        if started:
-            stack.down()
     chosen = max(report["through_gateway"], key=lambda k: report["through_gateway"][k]["max_rps_at_sla"])
     report["gateway_config"] = chosen
     report["gateway_max_rps_at_sla"] = report["through_gateway"][chosen]["max_rps_at_sla"]
@@ -133,20 +130,20 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
                for i in range(procs)]
     gateway = None
     try:
-        asyncio.run(_wait_served(info, served))
+        asyncio.run(wait_served(info, served))
         port = free_port()
         gateway = spawn(info, "gateway", "--port", str(port), log_path=os.path.join(info.home, "bench-serve-gw.log"))
         url = f"http://127.0.0.1:{port}"
-        _wait_http(url)
-        gen = _LoadGen(info, "http", os.path.join(info.home, "bench-serve-loadgen.log"), url=url, model=served,
-                       extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
+        wait_http(url)
+        gen = LoadGen(info, "http", served, os.path.join(info.home, "bench-serve-loadgen.log"), url=url,
+                      extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
         log(f"through the gateway: {layout} ({procs} worker(s) x {executors} executor(s) x {threads} thread(s))")
         pids = {"client": gen.proc.pid, "gateway": gateway.pid, "broker": info.kafka_pid, "redis": info.redis_pid,
                 **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
         try:
             gen.step(alone_best * 0.2, 5.0, seed=99)  # warm-up, not counted
             rates = tuple(round(alone_best * f, 1) for f in fractions)
-            swept = _sweep(gen, pids, rates, seconds, min_ok=SLA_MIN_OK)
+            swept = sweep(gen, pids, rates, seconds, min_ok=SLA_MIN_OK)
         finally:
             gen.close()
     finally:
@@ -154,6 +151,49 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
             if proc is not None:
                 stop_process(proc)
     return float(swept["max_rps_at_sla"]), swept["steps"]
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_serve(report: dict[str, Any], path: str) -> str:
+    """The model alone in each layout next to kinfer through the gateway (max rate at the SLA), and
+    latency against rate per gateway layout."""
+    plt = draw.pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=(1, 1.2))
+    alone = sorted(report.get("model_alone_seq_per_s", {}).items(), key=lambda kv: kv[1])
+    gateway = sorted(((k, v.get("max_rps_at_sla") or 0.0) for k, v in report.get("through_gateway", {}).items()),
+                     key=lambda kv: kv[1])
+    labels = [f"alone: {_layout(k)}" for k, _ in alone] + [f"gateway: {_layout(k)}" for k, _ in gateway]
+    values = [v for _, v in alone] + [v for _, v in gateway]
+    colours = ["#1f77b4" if k.startswith("torch") else "#17becf" for k, _ in alone] + ["#ff7f0e"] * len(gateway)
+    left.barh(range(len(values)), values, color=colours)
+    left.set_yticks(range(len(values)), labels, fontsize=8)
+    for y, v in enumerate(values):
+        left.annotate(f"{v:g}", (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    left.set_xlim(0, max([*values, 1.0]) * 1.12)
+    left.set_xlabel("the model alone: sequences/s; through the gateway: max requests/s at the SLA")
+    left.grid(axis="x", alpha=0.3)
+    steps = {f"{_layout(k)} ({draw.at_sla(v.get('max_rps_at_sla'))})": v.get("steps", [])
+             for k, v in report.get("through_gateway", {}).items()}
+    draw.latency_vs_rate(right, steps, draw.report_sla(report),
+                         maxima=[v.get("max_rps_at_sla") for v in report.get("through_gateway", {}).values()])
+    right.set_title("through the gateway: latency against offered rate")
+    ratio = report.get("ratio")
+    draw.title(fig, f"kinfer bench serve: {report.get('model', '?')} on {report.get('cpus', '?')} CPUs: through "
+                     f"the gateway {draw.num(report.get('gateway_max_rps_at_sla'))} req/s = {draw.num(ratio)} of the "
+                     f"model alone ({draw.num(report.get('model_alone_best_rps'))} seq/s)")
+    return draw.save(fig, path)
+
+
+def _layout(name: str) -> str:
+    """``onnx:2x1t-b1-e2`` -> ``onnx 2 proc x 1 thread, batch 1, 2 executors`` (else the name as it is)."""
+    m = re.fullmatch(r"(\w+):(\d+)x(\d+)t-b(\d+)(?:-e(\d+))?", name)
+    if m is None:
+        return name
+    runtime, procs, threads, batch, executors = m.groups()
+    text = f"{runtime} {procs} proc x {threads} thread{'s' if threads != '1' else ''}, batch {batch}"
+    return text + (f", {executors} executors" if executors else "")
 
 
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "alone":

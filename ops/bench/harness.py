@@ -1,8 +1,19 @@
-"""What every benchmark shares: the service level it judges by (P95 < 150 ms, P99 < 250 ms) and its progress log."""
+"""What every benchmark shares: the stack it runs on, waiting until what it started answers, the
+service level it judges by (P95 < 150 ms, P99 < 250 ms), the CPU a process spent, and its progress log."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import LocalStack, StackInfo
+from kinfer.producers import Client
 
 SLA_P95_MS = 150.0
 SLA_P99_MS = 250.0
@@ -18,3 +29,68 @@ def meets_sla(ok_fraction: float, p95_ms: float | None, p99_ms: float | None, mi
 def log(text: str) -> None:
     """A benchmark's progress line: on stderr, so that stdout stays the report."""
     print(text, file=sys.stderr, flush=True)
+
+
+# -- the stack ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def local_stack(info: StackInfo | None = None, stack: LocalStack | None = None, *, timeout_s: float = 90.0,
+                say: Callable[[str], None] | None = None) -> Iterator[StackInfo]:
+    """The stack a benchmark runs on: ``info`` when given (the caller's Kafka and Redis, left as they
+    are); else ``stack`` (by default the local stack of ``kinfer stack up``), reused if it runs, else
+    started here and then stopped on the way out, whatever happened inside. A stack that was already
+    running is left running: someone else may be using it. ``say``, when given, is told which stack
+    it is and when it stopped."""
+    if info is not None:
+        yield info
+        return
+    stack = stack or LocalStack()
+    info, started = stack.up(timeout_s=timeout_s)
+    if say is not None:
+        say(f"{'started' if started else 'reusing'} Kafka at {info.bootstrap}, Redis at {info.redis_url}")
+    try:
+        yield info
+    finally:
+        if started:
+            stack.down()
+            if say is not None:
+                say("stack stopped")
+
+
+# -- waiting until what a benchmark started answers ----------------------------------------------------
+
+
+async def wait_served(info: StackInfo, model: str) -> None:
+    """Until ``model`` answers on the stack ``info`` (its workers loaded, in their group, with partitions)."""
+    async with Client(info.bootstrap, info.redis_url, tenant="bench") as client:
+        await wait_until_served(client, model)
+
+
+def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    """Until the gateway at ``url`` answers ``/healthz`` with 200."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+# -- CPU ------------------------------------------------------------------------------------------------
+
+
+_TICK_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (all its threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK_S  # utime, stime (fields 14 and 15 of stat)

@@ -43,6 +43,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def percentile_ms(values: Sequence[float], q: float) -> float | None:
+    """``percentile`` as a report gives it: to 0.1 ms, and None for no values (strict JSON has no NaN)."""
+    return round(percentile(values, q), 1) if values else None
+
+
 @dataclass(slots=True)
 class Outcome:
     latency_ms: float  # scheduled send → result (or error)

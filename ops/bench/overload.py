@@ -18,7 +18,7 @@ deadline. Once with the lag monitor running and clients obeying it, once with bo
 - ``recovery_s``: from the end of the surge until the lag is down to what the worker clears in
   100 ms; ``lag_zero_s``: until it is first zero (sampled every 100 ms);
 - ``timeline``: per half second from the start of the surge, what was offered, refused, served in
-  time and missed, and the lag (``ops.plots.plot_overload`` draws it).
+  time and missed, and the lag (``plot_overload``, below, draws it).
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kinfer.ops.bench.harness import log
-from kinfer.ops.bench.load import fire, percentile
+from kinfer.ops.bench import drawing as draw
+from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log
+from kinfer.ops.bench.load import fire, percentile, percentile_ms
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
-from kinfer.ops.localstack.stack import LocalStack, StackInfo
+from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import DeadlineExceeded, KinferError, Overloaded, Priority, Shed
 from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, read_offsets, shared_topic_specs
@@ -64,12 +65,7 @@ def bench_overload(
     neighbour_s: float = 15.0,
 ) -> dict[str, Any]:
     """Runs on ``info`` when given (the caller's Kafka and Redis), else on the local stack."""
-    stack = LocalStack() if info is None else None
-    started = False
-    if stack is not None:
-        info, started = stack.up()
-    assert info is not None
-    try:
+    with local_stack(info) as info:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, 3)]))
         # The telemetry stream tells the lag monitor the workers' capacity and service time.
         procs = [
@@ -84,9 +80,6 @@ def bench_overload(
         finally:
             for proc in procs:
                 stop_process(proc)
-    finally:
-        if stack is not None and started:
-            stack.down()
 
 
 async def _bench(
@@ -244,11 +237,11 @@ async def _run(
         if monitor is not None:
             stop_process(monitor)
     summary = _summarize(outcomes, lags, t0 + surge_s, late, deadline_ms, capacity)
-    summary["timeline"] = _timeline(outcomes, [(t - t0, lag) for t, lag in lags], deadline_ms)
+    summary["timeline"] = timeline(outcomes, [(t - t0, lag) for t, lag in lags], deadline_ms)
     return summary
 
 
-def _timeline(outcomes: list[Outcome], lags: list[tuple[float, int]], deadline_ms: int,
+def timeline(outcomes: list[Outcome], lags: list[tuple[float, int]], deadline_ms: int,
               bucket_s: float = 0.5) -> dict[str, Any]:
     """Per ``bucket_s`` of scheduled sends from the start of the surge: requests offered, refused at
     admission, served in time, and accepted but missed (the three add up to offered); the highest
@@ -287,9 +280,6 @@ def _summarize(
     recovered = next((t for t, lag in lags if t >= surge_end and lag <= settled), None)
     emptied = next((t for t, lag in lags if t >= surge_end and lag == 0), None)
 
-    def ms(values: list[float], q: float) -> float | None:
-        return round(percentile(values, q), 1) if values else None
-
     by_priority = {
         p.label: {
             "offered": sum(o.priority == p for o in outcomes),
@@ -304,18 +294,18 @@ def _summarize(
         "accepted": len(accepted),
         "rejected": len(rejected),
         "lost": max(0, unanswered - late),
-        "accepted_p95_ms": ms([o.latency_ms for o in accepted], 95),
-        "accepted_p99_ms": ms([o.latency_ms for o in accepted], 99),
-        "served_p99_ms": ms([o.latency_ms for o in accepted if o.kind == "ok"], 99),
+        "accepted_p95_ms": percentile_ms([o.latency_ms for o in accepted], 95),
+        "accepted_p99_ms": percentile_ms([o.latency_ms for o in accepted], 99),
+        "served_p99_ms": percentile_ms([o.latency_ms for o in accepted if o.kind == "ok"], 99),
         "deadline_misses": len(misses),
-        "reject_p99_ms": ms([o.call_ms for o in rejected], 99),
+        "reject_p99_ms": percentile_ms([o.call_ms for o in rejected], 99),
         "recovery_s": round(recovered - surge_end, 2) if recovered is not None else None,
         "lag_zero_s": round(emptied - surge_end, 2) if emptied is not None else None,
         "served_in_time": len(accepted) - len(misses),
         "peak_lag": max((lag for _, lag in lags), default=0),
         # The load generator's own lateness (actual call - scheduled send): latencies above count from
         # the schedule, so a generator that falls behind is charged, not hidden.
-        "send_lag_p99_ms": ms([o.latency_ms - o.call_ms for o in outcomes], 99),
+        "send_lag_p99_ms": percentile_ms([o.latency_ms - o.call_ms for o in outcomes], 99),
         "outcomes": dict(sorted({k: sum(o.kind == k for o in outcomes) for k in {o.kind for o in outcomes}}.items())),
         "by_priority": by_priority,
     }
@@ -356,3 +346,150 @@ async def _until(condition: Callable[[], bool], timeout_s: float) -> None:
             raise TimeoutError(f"gave up after {timeout_s:.0f} s")
         await asyncio.sleep(0.05)
 
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+# The two runs of a report, as the picture names them.
+RUNS = (("with_backpressure", "with backpressure"), ("without_backpressure", "without"))
+
+
+def plot_overload(report: dict[str, Any], path: str) -> str:
+    """The surge with and without backpressure (over time where the report has a timeline), outcomes,
+    latencies against the deadline, each priority, the co-located neighbours."""
+    plt = draw.pyplot()
+    runs = [(key, label) for key, label in RUNS if isinstance(report.get(key), dict)]
+    timelines = [(key, label) for key, label in runs if isinstance(report[key].get("timeline"), dict)]
+    rows = (2 if timelines else 0) + 2
+    fig = plt.figure(figsize=(13, 4.2 * rows))
+    grid = fig.add_gridspec(rows, 2)
+    row = 0
+    if timelines:
+        shared = None
+        for col, (key, label) in enumerate(timelines):
+            ax = fig.add_subplot(grid[0, col], sharey=shared)
+            shared = shared or ax
+            _draw_timeline(ax, report, report[key]["timeline"], label)
+        lag = fig.add_subplot(grid[1, :])
+        for i, (key, label) in enumerate(timelines):
+            line = report[key]["timeline"]
+            lag.plot(line["t_s"], line["lag"], label=label, color=draw.SERIES_COLOURS[i])
+        _surge_span(lag, report)
+        lag.set_ylabel("lag (records waiting)")
+        lag.set_xlabel("seconds from the start of the surge")
+        lag.legend(loc="upper right")
+        lag.grid(alpha=0.3)
+        row = 2
+    _draw_outcomes(fig.add_subplot(grid[row, 0]), report, runs)
+    _draw_latency(fig.add_subplot(grid[row, 1]), report, runs)
+    _draw_priorities(fig.add_subplot(grid[row + 1, 0]), report, runs)
+    _draw_neighbours(fig.add_subplot(grid[row + 1, 1]), report)
+    draw.title(fig, f"kinfer bench overload: {report.get('model', '?')}; "
+                     f"capacity {draw.num(report.get('capacity_rps'))}/s, "
+                     f"surge {draw.num(report.get('surge_rps'))}/s for {draw.num(report.get('surge_s'))} s, then "
+                     f"{draw.num(report.get('normal_rps'))}/s for {draw.num(report.get('normal_s'))} s; deadline "
+                     f"{report.get('deadline_ms', '?')} ms")
+    return draw.save(fig, path)
+
+
+def _draw_timeline(ax: Any, report: dict[str, Any], line: dict[str, Any], label: str) -> None:
+    bucket_s = float(line.get("bucket_s") or 1.0)
+    per_s = [[n / bucket_s for n in line[k]] for k in ("served_in_time", "missed", "rejected")]
+    ax.stackplot(line["t_s"], *per_s, step="post", colors=("#2ca02c", "#d62728", "#c7c7c7"),
+                 labels=("served in time", "accepted, missed its deadline", "refused at admission"))
+    _surge_span(ax, report)
+    ax.set_title(f"{label}: requests by scheduled send (stacked: what was offered)")
+    ax.set_ylabel("requests/s")
+    ax.set_xlabel("seconds from the start of the surge")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _surge_span(ax: Any, report: dict[str, Any]) -> None:
+    if isinstance(report.get("surge_s"), int | float):
+        ax.axvspan(0, report["surge_s"], color="orange", alpha=0.08, lw=0)
+        ax.axvline(report["surge_s"], color="orange", ls="--", lw=1)
+
+
+def _draw_outcomes(ax: Any, report: dict[str, Any], runs: list[tuple[str, str]]) -> None:
+    labels = [label for _, label in runs]
+    parts = (("served_in_time", "served in time", "#2ca02c"), ("deadline_misses", "accepted, missed", "#d62728"),
+             ("rejected", "refused at admission", "#c7c7c7"))
+    bottom = [0.0] * len(runs)
+    for key, name, colour in parts:
+        values = [float(report[r].get(key) or 0) for r, _ in runs]
+        ax.bar(labels, values, bottom=bottom, label=name, color=colour)
+        for x, (v, b) in enumerate(zip(values, bottom, strict=True)):
+            if v:
+                ax.annotate(f"{v:,.0f}", (x, b + v / 2), ha="center", va="center", fontsize=8)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, (r, _) in enumerate(runs):
+        ax.annotate(f"lost {report[r].get('lost', '?')}, peak lag {report[r].get('peak_lag', '?')}",
+                    (x, bottom[x]), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    ax.set_ylim(0, max([*bottom, 1.0]) * 1.3)
+    ax.set_ylabel("requests")
+    ax.set_title("every request offered, by outcome")
+    ax.legend(loc="upper center", fontsize=8, ncols=3)
+
+
+def _draw_latency(ax: Any, report: dict[str, Any], runs: list[tuple[str, str]]) -> None:
+    metrics = (("accepted_p95_ms", "accepted p95"), ("accepted_p99_ms", "accepted p99"),
+               ("reject_p99_ms", "refusal told, p99"))
+    width = 0.8 / max(1, len(runs))
+    for i, (key, label) in enumerate(runs):
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(metrics))]
+        ax.bar(xs, [report[key].get(k) or 0.0 for k, _ in metrics], width, label=label, color=draw.SERIES_COLOURS[i])
+    draw.label_bars(ax, fmt="{:.1f}")
+    if isinstance(report.get("deadline_ms"), int | float):
+        ax.axhline(report["deadline_ms"], color="black", ls="--", lw=1, label=f"deadline {report['deadline_ms']} ms")
+    ax.set_xticks(range(len(metrics)), [label for _, label in metrics])
+    ax.set_ylabel("ms from the scheduled send")
+    ax.set_title("latency of accepted requests; how fast a refusal is told")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _draw_priorities(ax: Any, report: dict[str, Any], runs: list[tuple[str, str]]) -> None:
+    priorities = sorted({p for r, _ in runs for p in report[r].get("by_priority", {})})
+    width = 0.8 / max(1, len(runs))
+    for i, (key, label) in enumerate(runs):
+        by = report[key].get("by_priority", {})
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(priorities))]
+        shares = [by.get(p, {}).get("served_in_time", 0) / max(1, by.get(p, {}).get("offered", 0)) for p in priorities]
+        ax.bar(xs, shares, width, label=label, color=draw.SERIES_COLOURS[i])
+        for x, p, share in zip(xs, priorities, shares, strict=True):
+            row = by.get(p, {})
+            ax.annotate(f"{row.get('served_in_time', 0)}/{row.get('offered', 0)}", (x, share), xytext=(0, 2),
+                        textcoords="offset points", ha="center", fontsize=7)
+    mix = report.get("priority_mix", {})
+    ax.set_xticks(range(len(priorities)), [f"{p} ({mix[p]:.0%} of offered)" if p in mix else p for p in priorities])
+    ax.set_ylim(0, 1.15)
+    ax.set_ylabel("served in time / offered")
+    ax.set_title("each priority: share served within its deadline")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _draw_neighbours(ax: Any, report: dict[str, Any]) -> None:
+    phases = report.get("neighbours")
+    if not isinstance(phases, dict):
+        ax.text(0.5, 0.5, "no neighbour run in this report", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    names = [p for p in ("baseline", "spike") if isinstance(phases.get(p), dict)]
+    for i, (key, label) in enumerate((("quiet_p95_ms", "p95"), ("quiet_p99_ms", "p99"))):
+        xs = [j + (i - 0.5) * 0.38 for j in range(len(names))]
+        ax.bar(xs, [phases[n].get(key) or 0.0 for n in names], 0.38, label=f"quiet model {label}",
+               color=draw.SERIES_COLOURS[i])
+    draw.label_bars(ax, fmt="{:.0f}")
+    draw.sla_lines(ax, (SLA_P95_MS, SLA_P99_MS))
+    ticks = []
+    for n in names:
+        ph = phases[n]
+        ticks.append(f"{n}: neighbour offered {draw.num(ph.get('busy_offered_rps'))}/s\n"
+                     f"(refused {ph.get('busy_refused', '?')}; quiet refused {ph.get('quiet_refused', '?')})")
+    ax.set_xticks(range(len(names)), ticks, fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_title(f"co-located: the quiet model while its neighbour spikes {draw.num(phases.get('spike_factor'))}x")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)

@@ -31,11 +31,12 @@ import time
 from collections import Counter
 from typing import Any
 
-from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, log, meets_sla
-from kinfer.ops.bench.load import make_texts, percentile
+from kinfer.ops.bench import drawing as draw
+from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
+from kinfer.ops.bench.load import make_texts, percentile_ms
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
-from kinfer.ops.localstack.stack import LocalStack, StackInfo, free_port
+from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics import ColdStart, DeadlineExceeded, KinferError, Overloaded
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
@@ -95,9 +96,7 @@ def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: floa
                   "deadline_ms": deadline_ms, "swap_quantum_s": quantum_s,
                   "model": "all-MiniLM-L6-v2 under each name", "cpus": os.cpu_count()},
     }
-    stack = LocalStack()
-    info, started = stack.up()
-    try:
+    with local_stack() as info:
         asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(),
                                                    *(t for n in names for t in model_topic_specs(n, 3))]))
         # The control first: the same load with a budget that holds every model (nothing swaps).
@@ -109,9 +108,6 @@ def bench_placement(models: int = 6, resident: int = 3, hot: int = 2, rate: floa
                                                           "worker_swap_ins")}
         log(f"budget for {resident} of {models}")
         report.update(_one_run(info, names, weights, hot, budget, host, quantum_s, rate, seconds, deadline_ms, seed))
-    finally:
-        if started:
-            stack.down()
     return report
 
 
@@ -174,10 +170,6 @@ def _where(outcomes: list[dict[str, Any]]) -> dict[str, float] | None:
             "latency_ms": round(statistics.fmean(o["latency_ms"] for o in outcomes), 1)}
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return round(percentile(values, q), 1) if values else None
-
-
 async def _mixed_load(bootstrap: str, redis_url: str, names: list[str], weights: list[float], hot: int, rate: float,
                       seconds: float, deadline_ms: int, seed: int, worker: Any) -> dict[str, Any]:
     monitor = LagMonitor(bootstrap, redis_url, models=names)
@@ -229,7 +221,7 @@ async def _mixed_load(bootstrap: str, redis_url: str, names: list[str], weights:
         stop.set()
         with contextlib.suppress(Exception):
             await watching
-    return _summarise(outcomes, names[:hot], late)
+    return summarise(outcomes, names[:hot], late)
 
 
 async def _until_resident(client: Client, names: list[str], worker: Any, timeout_s: float = 300.0) -> None:
@@ -246,7 +238,10 @@ async def _until_resident(client: Client, names: list[str], worker: Any, timeout
             await asyncio.sleep(1.0)
 
 
-def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int = 0) -> dict[str, Any]:
+def summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int = 0) -> dict[str, Any]:
+    """What one run's outcomes add up to: the ``hot`` models' latency (and where their slowest answers
+    spent it), the others' cold starts and refusals, and what was lost (``late_replies``: callers that
+    gave up and were answered after)."""
     # "cold_requests*": requests to the models beyond the hot ones (the tail, swapped in and out);
     # "cold_start_ms": only those sent while their model had no warm replica, to their result.
     hot_ok = [o["latency_ms"] for o in outcomes if o["model"] in hot and o["kind"] == "ok"]
@@ -256,7 +251,7 @@ def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int
     for o in outcomes:
         by_model.setdefault(o["model"], Counter())[o["kind"]] += 1
     served_cold = [o["latency_ms"] for o in outcomes if o["cold_at_send"] and o["kind"] == "ok"]
-    hot_p95, hot_p99 = _pct(hot_ok, 95), _pct(hot_ok, 99)
+    hot_p95, hot_p99 = percentile_ms(hot_ok, 95), percentile_ms(hot_ok, 99)
     tail = [o for o in outcomes if o["model"] in hot and o["kind"] == "ok" and hot_p95 is not None
             and o["latency_ms"] >= hot_p95 and o.get("timings") is not None]
     return {
@@ -264,7 +259,7 @@ def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int
         "outcomes": dict(Counter(o["kind"] for o in outcomes)),
         "by_model": {m: dict(c) for m, c in sorted(by_model.items())},
         "hot_models": hot,
-        "hot_p50_ms": _pct(hot_ok, 50),
+        "hot_p50_ms": percentile_ms(hot_ok, 50),
         "hot_p95_ms": hot_p95,
         "hot_p99_ms": hot_p99,
         "hot_ok_fraction": round(len(hot_ok) / len(hot_all), 4) if hot_all else None,
@@ -278,7 +273,7 @@ def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int
         # Refused otherwise (Overloaded), by why, and whether the model had no warm replica at the send.
         "refused_by": dict(Counter(f"{o['why']}{' (cold)' if o['cold_at_send'] else ''}"
                                    for o in outcomes if o["kind"] == "refused")),
-        "cold_p50_ms": _pct([o["latency_ms"] for o in cold if o["kind"] == "ok"], 50),
+        "cold_p50_ms": percentile_ms([o["latency_ms"] for o in cold if o["kind"] == "ok"], 50),
         # A request sent while its model had no warm replica, to its result: the cold start as a caller sees it.
         "cold_start_ms": round(statistics.median(served_cold), 1) if served_cold else None,
         "cold_start_requests": len(served_cold),
@@ -288,3 +283,42 @@ def _summarise(outcomes: list[dict[str, Any]], hot: list[str], late_replies: int
         "lost": max(0, sum(1 for o in outcomes if o["kind"] == "timed_out") - late_replies),
         "sla": {"p95_ms": SLA_P95_MS, "p99_ms": SLA_P99_MS},
     }
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_placement(report: dict[str, Any], path: str) -> str:
+    """Swap-in per model and tier; the mixed run's outcomes per model (hot first)."""
+    plt = draw.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 2]})
+    models = report.get("swap_in_ms_by_model", {})
+    names = list(models)
+    for i, tier in enumerate(("disk", "ram")):
+        ax1.bar([x + i * 0.38 for x in range(len(names))], [models[n].get(tier) or 0.0 for n in names], 0.38,
+                label=f"from {tier}", color=draw.SERIES_COLOURS[i])
+    ax1.set_xticks([x + 0.19 for x in range(len(names))], names)
+    ax1.set_ylabel("swap-in to serving, ms (in process)")
+    ax1.legend(fontsize=8)
+    ax1.grid(axis="y", alpha=0.3)
+    by_model = report.get("by_model", {})
+    kinds = sorted({k for counts in by_model.values() for k in counts}, key=lambda k: (k != "ok", k))
+    order = list(by_model)
+    bottom = [0.0] * len(order)
+    for i, kind in enumerate(kinds):
+        values = [float(by_model[m].get(kind, 0)) for m in order]
+        colour = draw.SERIES_COLOURS[i % len(draw.SERIES_COLOURS)]
+        ax2.bar(range(len(order)), values, bottom=bottom, label=kind, color=colour)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    hot = set(report.get("hot_models", []))
+    ax2.set_xticks(range(len(order)), [f"{m.rsplit('-', 1)[-1]}{' (hot)' if m in hot else ''}" for m in order])
+    ax2.set_ylabel("requests")
+    ax2.legend(fontsize=8)
+    ax2.grid(axis="y", alpha=0.3)
+    setup = report.get("setup", {})
+    draw.title(fig, f"kinfer bench placement: {setup.get('models', '?')} models, "
+                     f"budget for {setup.get('resident', '?')}, {setup.get('rate_rps', '?')}/s "
+                     f"Zipf({setup.get('zipf_s', '?')}); hot p95/p99 "
+                     f"{draw.num(report.get('hot_p95_ms'))}/{draw.num(report.get('hot_p99_ms'))} ms, cold start "
+                     f"{draw.num(report.get('cold_start_ms'))} ms, lost {report.get('lost', '?')}")
+    return draw.save(fig, path)

@@ -38,7 +38,7 @@ def _model_args(bm: argparse.ArgumentParser) -> None:
 
 
 def _model(args: argparse.Namespace) -> dict[str, Any]:
-    from kinfer.ops.bench.batching import bench_model
+    from kinfer.ops.bench.model import bench_model
 
     return bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds)
 
@@ -72,7 +72,7 @@ def _generation_args(bg: argparse.ArgumentParser) -> None:
 
 
 def _generation(args: argparse.Namespace) -> dict[str, Any]:
-    from kinfer.ops.bench.batching import bench_generation
+    from kinfer.ops.bench.generation import bench_generation
 
     return bench_generation(requests=args.requests, rate=args.rate, max_running=args.max_running)
 

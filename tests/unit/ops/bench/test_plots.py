@@ -40,8 +40,8 @@ def test_every_saved_report_draws(report: Path, tmp_path: Path) -> None:
 
 
 def test_an_overload_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
-    """Saved reports predate the timeline; a new one carries it (``ops.overload._timeline``)."""
-    from kinfer.ops.bench.overload import Outcome, _timeline
+    """Saved reports predate the timeline; a new one carries it (``ops.bench.overload.timeline``)."""
+    from kinfer.ops.bench.overload import Outcome, timeline
     from kinfer.topics import Priority
 
     rng, outcomes, t = random.Random(3), [], 0.0
@@ -50,20 +50,20 @@ def test_an_overload_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
         t += rng.expovariate(60.0)
         outcomes.append(Outcome("surge", Priority.P1, rng.choice(kinds), rng.uniform(5, 400), 1.0, t))
     lags = [(i * 0.1 - 0.5, rng.randint(0, 40)) for i in range(140)]
-    timeline = _timeline(outcomes, lags, deadline_ms=250)
-    assert sum(timeline["offered"]) == len(outcomes)
-    assert [a + b + c for a, b, c in zip(timeline["rejected"], timeline["served_in_time"], timeline["missed"],
-                                         strict=True)] == timeline["offered"]
-    assert len(timeline["t_s"]) == len(timeline["lag"]) and timeline["t_s"][1] == timeline["bucket_s"]
+    line = timeline(outcomes, lags, deadline_ms=250)
+    assert sum(line["offered"]) == len(outcomes)
+    assert [a + b + c for a, b, c in zip(line["rejected"], line["served_in_time"], line["missed"],
+                                         strict=True)] == line["offered"]
+    assert len(line["t_s"]) == len(line["lag"]) and line["t_s"][1] == line["bucket_s"]
     report = json.loads((REPORTS / "overload-sim-cpu.json").read_text())
     for run in ("with_backpressure", "without_backpressure"):
-        report[run]["timeline"] = timeline
+        report[run]["timeline"] = line
     json.dumps(report, allow_nan=False)  # what the CLI prints
     assert_png(Path(plot_report(report, tmp_path / "overload.png")))
 
 
 def test_an_autoscale_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
-    from kinfer.ops.bench.autoscale import Trace, _timeline
+    from kinfer.ops.bench.autoscale import Trace, timeline
 
     report = json.loads((REPORTS / "autoscale.json").read_text())
     trace = Trace(**report["trace"])
@@ -71,7 +71,7 @@ def test_an_autoscale_report_with_a_timeline_draws_it(tmp_path: Path) -> None:
                 "wait_ms": float("inf") if i == 3 else 10.0 * (i % 5), "replicas": 1.0 + (i > 200)}
                for i in range(int(trace.duration_s * 2))]
     for run in ("autoscaled", "static_peak"):
-        report[run]["timeline"] = _timeline(samples)
+        report[run]["timeline"] = timeline(samples)
     assert report["autoscaled"]["timeline"]["wait_ms"][3] is None  # strict JSON: no inf
     json.dumps(report, allow_nan=False)
     assert_png(Path(plot_report(report, tmp_path / "autoscale.png")))

@@ -327,7 +327,7 @@ def own_environ() -> Iterator[None]:
 
 @pytest.fixture
 def recorded_secure_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_environ: None) -> Iterator[StackInfo]:
-    """A secure stack record whose "Redis" is a live process (``_alive`` reads its command line)."""
+    """A secure stack record whose "Redis" is a live process (``process_alive`` reads its command line)."""
     import dataclasses
     import subprocess
     import sys
