@@ -39,7 +39,8 @@ from aiokafka.errors import KafkaError
 
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import local_stack, log
-from kinfer.ops.bench.load import fire, percentile_ms
+from kinfer.ops.bench.load import fire
+from kinfer.ops.capacity.sla import percentile_ms
 from kinfer.ops.control.autoscaler import AutoscaleLoop
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.control.scaling import ScalePolicy

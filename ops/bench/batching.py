@@ -11,9 +11,10 @@ from typing import Any
 
 from kinfer.consumers.runners.registry import minilm_path
 from kinfer.ops.bench import drawing as draw
-from kinfer.ops.bench.harness import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
-from kinfer.ops.bench.load import make_texts, open_loop, percentile, percentile_ms
+from kinfer.ops.bench.harness import local_stack, log
+from kinfer.ops.bench.load import make_texts, open_loop
 from kinfer.ops.bench.model import bench_model
+from kinfer.ops.capacity.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, meets_sla, percentile, percentile_ms
 from kinfer.ops.localstack.procs import scrape, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client

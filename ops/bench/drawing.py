@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS
+from kinfer.ops.capacity.sla import SLA_P95_MS, SLA_P99_MS
 
 Report = dict[str, Any]
 
@@ -49,7 +49,7 @@ def title(fig: Any, text: str) -> None:
 
 
 def report_sla(report: Report) -> tuple[float, float]:
-    """(P95, P99) bounds in ms: the report's own, else the harness's."""
+    """(P95, P99) bounds in ms: the report's own, else the SLA's."""
     sla = report.get("sla") or {}
     return float(sla.get("p95_ms", SLA_P95_MS)), float(sla.get("p99_ms", SLA_P99_MS))
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import log
-from kinfer.ops.bench.load import make_texts, percentile
+from kinfer.ops.bench.load import make_texts
+from kinfer.ops.capacity.sla import percentile
 
 
 def bench_generation(requests: int = 96, rate: float = 40.0, max_running: int = 16, seed: int = 5) -> dict[str, Any]:

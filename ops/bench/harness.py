@@ -1,5 +1,5 @@
-"""What every benchmark shares: the stack it runs on, waiting until what it started answers, the
-service level it judges by (P95 < 150 ms, P99 < 250 ms), the CPU a process spent, and its progress log."""
+"""What every benchmark shares: the stack it runs on, waiting until what it started answers, the CPU
+a process spent, and its progress log. The service level it judges by is ``ops.capacity.sla``'s."""
 
 from __future__ import annotations
 
@@ -14,16 +14,6 @@ from pathlib import Path
 from kinfer.ops.localstack.procs import wait_until_served
 from kinfer.ops.localstack.stack import LocalStack, StackInfo
 from kinfer.producers import Client
-
-SLA_P95_MS = 150.0
-SLA_P99_MS = 250.0
-SLA_MIN_OK = 0.99  # a rate whose requests are refused or lost more than this does not count
-
-
-def meets_sla(ok_fraction: float, p95_ms: float | None, p99_ms: float | None, min_ok: float = SLA_MIN_OK) -> bool:
-    """P95 < 150 ms, P99 < 250 ms, and at least ``min_ok`` of the requests answered ok."""
-    return (ok_fraction >= min_ok and p95_ms is not None and p99_ms is not None
-            and p95_ms < SLA_P95_MS and p99_ms < SLA_P99_MS)
 
 
 def log(text: str) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kinfer.ops.capacity.sla import percentile
 from kinfer.producers import Client
 from kinfer.topics import KinferError, Priority, Result
 
@@ -32,20 +33,6 @@ def make_texts(n: int, min_words: int = 5, max_words: int = 120, seed: int = 7) 
     """``n`` texts with word counts spread uniformly in [min_words, max_words]."""
     rng = random.Random(seed)
     return [" ".join(rng.choices(_WORDS, k=rng.randint(min_words, max_words))) for _ in range(n)]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[rank - 1]
-
-
-def percentile_ms(values: Sequence[float], q: float) -> float | None:
-    """``percentile`` as a report gives it: to 0.1 ms, and None for no values (strict JSON has no NaN)."""
-    return round(percentile(values, q), 1) if values else None
 
 
 @dataclass(slots=True)

@@ -34,8 +34,9 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import IO, Any
 
-from kinfer.ops.bench.harness import cpu_seconds, log, meets_sla
-from kinfer.ops.bench.load import make_texts, percentile_ms
+from kinfer.ops.bench.harness import cpu_seconds, log
+from kinfer.ops.bench.load import make_texts
+from kinfer.ops.capacity.sla import meets_sla, percentile_ms
 from kinfer.ops.localstack.procs import scrape
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kinfer.ops.bench import drawing as draw
-from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log
-from kinfer.ops.bench.load import fire, percentile, percentile_ms
+from kinfer.ops.bench.harness import local_stack, log
+from kinfer.ops.bench.load import fire
+from kinfer.ops.capacity.sla import SLA_P95_MS, SLA_P99_MS, percentile, percentile_ms
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client

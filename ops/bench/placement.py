@@ -32,8 +32,9 @@ from collections import Counter
 from typing import Any
 
 from kinfer.ops.bench import drawing as draw
-from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log, meets_sla
-from kinfer.ops.bench.load import make_texts, percentile_ms
+from kinfer.ops.bench.harness import local_stack, log
+from kinfer.ops.bench.load import make_texts
+from kinfer.ops.capacity.sla import SLA_P95_MS, SLA_P99_MS, meets_sla, percentile_ms
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
 from kinfer.ops.localstack.stack import StackInfo, free_port

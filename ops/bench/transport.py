@@ -14,8 +14,9 @@ import os
 from typing import Any
 
 from kinfer.ops.bench import drawing as draw
-from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, local_stack, log, wait_http, wait_served
+from kinfer.ops.bench.harness import local_stack, log, wait_http, wait_served
 from kinfer.ops.bench.loadgen import LoadGen, sweep
+from kinfer.ops.capacity.sla import SLA_P95_MS, SLA_P99_MS
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
 from kinfer.ops.localstack.stack import free_port
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs

@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kinfer.batcher import BatchPolicy, ContinuousScheduler, DynamicBatcher, GenPolicy, Sequence
-from kinfer.ops.bench.harness import SLA_P95_MS, SLA_P99_MS, meets_sla
-from kinfer.ops.bench.load import percentile
+from kinfer.ops.capacity.sla import SLA_P95_MS, SLA_P99_MS, meets_sla, percentile
 from kinfer.ops.control.estimator import HealthEstimator
 from kinfer.producers.admission import health_decision
 from kinfer.topics import Priority
