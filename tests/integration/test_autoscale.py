@@ -10,7 +10,7 @@ from kinfer.ops.bench.autoscale import Trace, bench_autoscale
 from kinfer.ops.control.scaling import ScalePolicy
 from kinfer.ops.localstack.stack import StackInfo
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_a_local_pool_follows_a_step_from_one_to_three_and_back(stack: StackInfo, tmp_path: Path) -> None:

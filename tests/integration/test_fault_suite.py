@@ -11,7 +11,7 @@ import pytest
 
 from kinfer.ops.bench.faults import bench_faults
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SCENARIOS = (
     "worker_sigstop_past_session_timeout",

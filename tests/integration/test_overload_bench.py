@@ -12,7 +12,7 @@ import pytest
 from kinfer.ops.bench.overload import bench_overload
 from kinfer.ops.localstack.stack import StackInfo
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.timeout(600)

@@ -21,7 +21,7 @@ from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_s
 from kinfer.topics.names import request_topic
 from tests.integration.conftest import WorkerProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
