@@ -4,7 +4,7 @@ Workers publish ``BatchStats`` to ``kinfer.stats``, keyed by model: every flush 
 second), one record per model, batch-size bucket, kind (batch or generation step) and outcome,
 summing the batches it stands for; records that only carry sheds go out when work is refused
 without any batch running. The
-telemetry stream processor (``ops.telemetry``, faust) keeps windowed per-model tables of them and
+telemetry stream processor (``ops.control.telemetry``, faust) keeps windowed per-model tables of them and
 publishes a ``ModelStats`` summary per model to Redis (``kinfer:stats:<model>``), where the lag
 monitor (service time for admission) and ``kinfer status`` read it.
 """

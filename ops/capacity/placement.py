@@ -24,8 +24,8 @@ busy. The rule:
 4. **Infeasible** when even that does not fit (compute is short): the answer is how many GPUs would
    do (``gpus_needed``).
 
-No I/O here except :func:`load_models`; ``tests/unit/test_place.py`` checks the invariants with
-Hypothesis and the README's worked example (``ops/deploy/models.example.yaml``).
+No I/O here except :func:`load_models`; ``tests/unit/ops/capacity/test_placement.py`` checks the invariants with
+Hypothesis and the worked example in docs/capacity.md (``ops/deploy/models.example.yaml``).
 """
 
 from __future__ import annotations

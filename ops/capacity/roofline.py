@@ -13,8 +13,8 @@ A roofline model. Each phase is bound by compute or by memory bandwidth, whichev
 
 GPU counts come from the time each phase needs per second of traffic at the assumed efficiency
 (``mfu`` of peak FLOPs, ``mbu`` of peak bandwidth), divided by the utilisation that keeps the P99
-in bounds (``max_utilisation``), rounded up, plus one spare (N+1). The two worked examples in the
-README are this module's output, checked by ``tests/unit/test_plan.py``.
+in bounds (``max_utilisation``), rounded up, plus one spare (N+1). The two worked examples in
+docs/capacity.md are this module's output, checked by ``tests/unit/ops/capacity/test_roofline.py``.
 """
 
 from __future__ import annotations

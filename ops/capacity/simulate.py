@@ -4,7 +4,7 @@ What is simulated, and with what code:
 
 - **Producers** send Poisson arrivals at each model's share of ``qps``, keyed to a random partition,
   and obey the health signal with the client's own admission code (``producers.admission``). The
-  health state comes from the lag monitor's estimator (``ops.health.HealthEstimator``) fed with the
+  health state comes from the lag monitor's estimator (``ops.control.estimator.HealthEstimator``) fed with the
   simulated offsets every ``lagmon_interval_s``.
 - **Kafka** is a delay: ``transport_ms`` from send to fetch (producer linger, broker, fetch) plus
   an exponential jitter, ``reply_ms`` for the result's way back. Partitions are owned by one

@@ -1,8 +1,8 @@
 """The secure local stack's pure parts: secrets, certificates, Kafka's ACL table, Redis's ACL file.
 
-``kinfer stack up --secure`` (``ops.stack``) runs Kafka with SASL/SCRAM-SHA-512 over TLS, an
+``kinfer stack up --secure`` (``ops.localstack.stack``) runs Kafka with SASL/SCRAM-SHA-512 over TLS, an
 authorizer and the ACLs below, and Redis with ACL users; this module decides *what* each principal
-may do and writes the files, ``ops.stack`` starts the processes and applies the ACLs.
+may do and writes the files, ``ops.localstack.stack`` starts the processes and applies the ACLs.
 
 Everything secret lives in ``<home>/secure/`` (mode 0700, files 0600):
 
@@ -478,7 +478,7 @@ def tenant_acls(tenant: str, best: int, models: Iterable[str]) -> list[Acl]:
     allowed p0 gets the prefix ``infer.`` (every model, present and future; the DLQ denied), any
     other one a literal ACL per model topic ``infer.<model>.pN``, N >= its best, for the ``models``
     given. Those are the models that exist when the ACLs are applied: a model created later needs
-    them applied again (``ops.stack.apply_tenant_acls``; ``kinfer topics`` and ``kinfer stack acls``
+    them applied again (``ops.localstack.stack.apply_tenant_acls``; ``kinfer topics`` and ``kinfer stack acls``
     do). IDEMPOTENT_WRITE on the cluster lets its idempotent producer start before any model exists.
     """
     principal = tenant_principal(tenant)

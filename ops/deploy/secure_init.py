@@ -1,15 +1,15 @@
 """The compose deployment's security: ``python -m kinfer.ops.deploy.secure_init init|setup|rotate|env|ca``.
 
 ``docker-compose.yml`` runs Kafka and Redis locked down the way ``kinfer stack up --secure`` does
-(``ops.secure`` decides who may do what; ``ops.stack`` runs the local processes): SASL_SSL with
+(``ops.deploy.secure`` decides who may do what; ``ops.localstack.stack`` runs the local processes): SASL_SSL with
 SCRAM-SHA-512 on the brokers' client listeners (the in-network one and the host's), the
 controller listener on mutual TLS, StandardAuthorizer with nothing allowed without an ACL, the ACL
-table of ``ops.secure``, Redis with ``user default off`` and one ACL user per principal. This module
+table of ``ops.deploy.secure``, Redis with ``user default off`` and one ACL user per principal. This module
 writes the files that takes, and applies what only a running cluster can take:
 
 ``init`` (the one-shot ``secrets`` service, before anything else starts) creates what is missing in
 the private state volume and keeps what is there — a random password per principal and the request
-signing secret (``ops.secure.Secrets``), the cluster id, a CA, a certificate per broker whose SANs
+signing secret (``ops.deploy.secure.Secrets``), the cluster id, a CA, a certificate per broker whose SANs
 are its service name, the host listener's name, localhost and 127.0.0.1 (issued again within 30 days
 of its end or when the names change) — and then writes each consumer's own volume from it, owned by
 the user that consumer's image runs as (``OWNERS``), so that a container sees its own secrets only:
@@ -19,7 +19,7 @@ the user that consumer's image runs as (``OWNERS``), so that a container sees it
     kafka/       cluster-id, scram-args (StorageTool's --add-scram, one argument a line), ca.pem,
                  admin.properties (the CLI tools' admin login: healthchecks, kafka-configs),
                  <broker>/server.properties, <broker>/broker-keystore.pem, <broker>/ca.pem
-    redis/       users.acl (ops.secure.redis_acl_text: passwords as SHA-256)
+    redis/       users.acl (ops.deploy.secure.redis_acl_text: passwords as SHA-256)
     grafana/     admin-password
     <principal>/ ca.pem, password, signing-secret (worker, gateway, admin: current first, then retired)
 

@@ -9,7 +9,7 @@ waits until neither process is left.
 
 ``up --secure`` (``LocalStack(secure=True)``) starts the same stack locked down: Kafka's client
 listener speaks SASL/SCRAM-SHA-512 over TLS (the brokers too, among themselves), its controller
-listener mutual TLS, an authorizer allows only the ACL table of ``ops.secure``; Redis has ACL users
+listener mutual TLS, an authorizer allows only the ACL table of ``ops.deploy.secure``; Redis has ACL users
 and no default user. Each principal's credentials: ``StackInfo.env(principal)`` (``kinfer stack env
 --principal P``); a ``kinfer`` component started without credentials of its own takes its
 principal's from the recorded stack (``apply_stack_env``). Secrets stay in ``<home>/secure/``.
@@ -597,7 +597,7 @@ async def _kafka_ready(bootstrap: str, timeout_s: float, brokers: int = 1,
 
 async def apply_acls(info: StackInfo, models: Iterable[str] | None = None,
                      acls: Iterable[sec.Acl] | None = None) -> int:
-    """Create ``acls`` (default: the whole table of ``ops.secure.kafka_acls`` for the stack's tenants
+    """Create ``acls`` (default: the whole table of ``ops.deploy.secure.kafka_acls`` for the stack's tenants
     and ``models``, default: the models whose request topics the brokers list now), as admin.
     Creating an ACL that exists changes nothing. Returns how many were sent."""
     secrets = info.secrets()
@@ -607,7 +607,7 @@ async def apply_acls(info: StackInfo, models: Iterable[str] | None = None,
 async def apply_tenant_acls(info: StackInfo, models: Iterable[str]) -> int:
     """Every tenant's ACLs on the request topics of ``models``: what ``kinfer topics --model M`` on
     a secure stack must do after creating them (a tenant whose best priority is p1 or p2 is allowed
-    topic by topic, see ``ops.secure.tenant_acls``). ``kinfer stack acls`` applies the whole table."""
+    topic by topic, see ``ops.deploy.secure.tenant_acls``). ``kinfer stack acls`` applies the whole table."""
     models = list(models)
     tenants = info.secrets().tenants
     return await apply_acls(info, acls=[acl for tenant, best in tenants.items()

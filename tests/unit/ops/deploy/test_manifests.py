@@ -4,7 +4,7 @@ periods longer than a worker's drain), and the KEDA object is what ``--emit keda
 
 ``docker-compose.yml`` (no Docker engine here: checked by reading it): every service restarts and
 reports its health but the one-shot jobs, which others wait for; every service that talks to Kafka
-acts as a principal of ``ops.secure``'s table with its own secrets volume, which the secrets job
+acts as a principal of ``ops.deploy.secure``'s table with its own secrets volume, which the secrets job
 writes; the brokers are the layout the secrets job wrote their configuration for; Prometheus
 scrapes every metrics port; the Grafana dashboard asks only for metrics the code defines."""
 
