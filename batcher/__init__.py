@@ -8,7 +8,7 @@
 """
 
 from kinfer.batcher.codel import CoDel
-from kinfer.batcher.continuous import ContinuousScheduler, Finish, GenPolicy, Sequence, StepPlan
+from kinfer.batcher.continuous import ContinuousScheduler, Finish, GenPolicy, Sequence, Step
 from kinfer.batcher.dynamic import Batch, BatchPolicy, Dropped, DynamicBatcher, Pending, Reason
 from kinfer.batcher.fair import DeficitRoundRobin
 from kinfer.batcher.service import ServicePrior, ServiceTimeModel
@@ -28,5 +28,5 @@ __all__ = [
     "Sequence",
     "ServicePrior",
     "ServiceTimeModel",
-    "StepPlan",
+    "Step",
 ]

@@ -77,7 +77,7 @@ class Sequence:
 
 
 @dataclass(frozen=True, slots=True)
-class StepPlan:
+class Step:
     admit: list[Sequence]  # prefill these this step (they produce their first token)
     decode: list[Sequence]  # already running: one more token each
     evict: list[tuple[Sequence, Finish]] = field(default_factory=list)  # leave now, with the reason
@@ -139,7 +139,7 @@ class ContinuousScheduler:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float) -> Step:
         evict: list[tuple[Sequence, Finish]] = []
         for pool in (self._waiting, self._running):
             for s in list(pool.values()):
@@ -173,7 +173,7 @@ class ContinuousScheduler:
             s.steps += 1
         if admit or decode:
             self.steps += 1
-        return StepPlan(admit, decode, evict)
+        return Step(admit, decode, evict)
 
     def advance(self, seq_id: str, tokens: int = 1) -> None:
         """Record tokens a running sequence produced this step."""

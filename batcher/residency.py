@@ -27,7 +27,7 @@ The rule:
   ``keep_warm`` warm replicas without this worker.
 - An evicted model goes to host RAM when the host budget has room (pushing the least valuable host
   model to disk), else to disk. Nothing is ever placed over a budget; a model larger than the
-  device budget is never made resident (``Plan.unservable``).
+  device budget is never made resident (``Swaps.unservable``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class ResidencyPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Demand:
-    """What the shell sees of one model when it asks for a plan."""
+    """What the shell sees of one model when it asks for swaps."""
 
     waiting: int = 0  # records waiting for it in Kafka (its consumer group's lag)
     busy: bool = False  # requests of it buffered or running in this process
@@ -88,7 +88,7 @@ class Move:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Swaps:
     moves: list[Move] = field(default_factory=list)  # in order: evictions, then promotions
     drain: frozenset[str] = frozenset()  # resident models to stop fetching: their place is wanted
     unservable: frozenset[str] = frozenset()  # waiting, but larger than the whole device budget
@@ -105,7 +105,7 @@ class _Model:
     last_used: float = -math.inf
     tier_since: float = 0.0  # when it entered its tier
     waiting_since: float | None = None  # off the device with records waiting, since
-    last_waiting: int = 0  # records waiting at the last plan
+    last_waiting: int = 0  # records waiting at the last decision
     rising: int = 0  # plans in a row that saw its lag rise
     ends: tuple[int, ...] | None = None  # highest end offsets of its topics seen, per priority
 
@@ -131,7 +131,7 @@ class Residency:
         return self._models[name].footprint
 
     def resize(self, name: str, footprint: int) -> None:
-        """The footprint measured once loaded (it was an estimate). Over budget now: the next plan evicts."""
+        """The footprint measured once loaded (it was an estimate). Over budget now: the next swaps evict."""
         self._models[name].footprint = max(0, footprint)
 
     def used(self, tier: Tier) -> int:
@@ -186,7 +186,7 @@ class Residency:
                 moves.append(self._move(m, Tier.HOST, now))
         return moves
 
-    def plan(self, now: float, seen: Mapping[str, Demand]) -> Plan:
+    def swaps(self, now: float, seen: Mapping[str, Demand]) -> Swaps:
         """The moves to make now, given what the shell sees (a model it does not mention: idle)."""
         idle = Demand()
         moves: list[Move] = []
@@ -245,9 +245,9 @@ class Residency:
             for v in chosen:
                 moves += self._evict(v, now)
             moves.append(self._move(w, Tier.DEVICE, now))
-        # A model drained for one waiting model may have been evicted for another later in this plan.
+        # A model drained for one waiting model may have been evicted for another later in these swaps.
         drain = {name for name in drain if self._models[name].tier == Tier.DEVICE}
-        return Plan(moves, frozenset(drain), frozenset(unservable))
+        return Swaps(moves, frozenset(drain), frozenset(unservable))
 
     def _evictable(self, now: float, seen: Mapping[str, Demand], idle_only: bool,
                    worth_below: float = math.inf) -> list[tuple[_Model, bool]]:
@@ -304,4 +304,4 @@ class Residency:
         return move
 
 
-__all__ = ["Demand", "Move", "Plan", "Residency", "ResidencyPolicy", "Tier"]
+__all__ = ["Demand", "Move", "Residency", "ResidencyPolicy", "Swaps", "Tier"]

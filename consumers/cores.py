@@ -7,7 +7,7 @@ and says everything it decided as values:
     admit(job, now)              queue a decoded request (False: a copy of one in progress, which
                                    answers for both), or raise ``InvalidRequest``
     shed(now, free_at)           → replies for what it refuses now (expired, cannot make it, CoDel)
-    next(now, max_s)             → ``Plan``: work for the executor (or None), and replies that are
+    next(now, max_s)             → ``Next``: work for the executor (or None), and replies that are
                                    due before it (generation: sequences leaving the batch)
     complete(work, outcome)      → replies for what the work produced (or its failure)
     revoke(partitions)           drop everything from partitions this worker lost, without replies:
@@ -87,7 +87,9 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Next:
+    """What a core says to do next: work for the executor (or None), and replies due before it."""
+
     work: Work | None
     replies: list[Outgoing] = field(default_factory=list)
 
@@ -131,7 +133,7 @@ class EngineCore(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def next(self, now: float, max_s: float | None = None) -> Plan:
+    def next(self, now: float, max_s: float | None = None) -> Next:
         """The next work to run (``max_s``: a co-located neighbour waits, stay within it)."""
 
     @abc.abstractmethod
@@ -220,13 +222,13 @@ class BatchCore(EngineCore):
             replies.append(Outgoing(job, self._result(job, _SHED_STATUS[d.reason], error=_SHED_TEXT[d.reason])))
         return replies
 
-    def next(self, now: float, max_s: float | None = None) -> Plan:
+    def next(self, now: float, max_s: float | None = None) -> Next:
         # The executor is free whenever the shell asks (one batch at a time): work-conserving.
         batch = self.batcher.next_batch(now, max_batch_s=max_s)
         if batch is None:
-            return Plan(None)
+            return Next(None)
         groups = [job.request.inputs for job in batch.payloads]
-        return Plan(Work(partial(self._run, groups), batch.predicted_s, batch))
+        return Next(Work(partial(self._run, groups), batch.predicted_s, batch))
 
     def _run(self, groups: list[tuple[str, ...]]) -> _Ran:
         """The forward pass over every request's inputs (in the executor thread).
@@ -399,17 +401,17 @@ class GenCore(EngineCore):
         self._seqs[request.id] = _Running(job, GenInput(request.id, prompt, sampling, templated))
         return True
 
-    def next(self, now: float, max_s: float | None = None) -> Plan:
-        plan = self.scheduler.schedule(now)
-        replies = [r for s, why in plan.evict if (r := self._ended(s.id, why)) is not None]
-        self._drops += [s.id for s, _ in plan.evict]  # until the runner has dropped them
-        if plan.evict or plan.admit:  # the running batch changed before the step (complete reports after it)
+    def next(self, now: float, max_s: float | None = None) -> Next:
+        step = self.scheduler.schedule(now)
+        replies = [r for s, why in step.evict if (r := self._ended(s.id, why)) is not None]
+        self._drops += [s.id for s, _ in step.evict]  # until the runner has dropped them
+        if step.evict or step.admit:  # the running batch changed before the step (complete reports after it)
             self._report_batch()
-        if not (plan.admit or plan.decode or self._drops):
-            return Plan(None, replies)
-        admit = [self._take_prompt(s.id) for s in plan.admit]
+        if not (step.admit or step.decode or self._drops):
+            return Next(None, replies)
+        admit = [self._take_prompt(s.id) for s in step.admit]
         drops, self._drops = self._drops, []
-        return Plan(Work(partial(self._runner.step, admit, drops), self.step_s, len(admit)), replies)
+        return Next(Work(partial(self._runner.step, admit, drops), self.step_s, len(admit)), replies)
 
     def _report_batch(self) -> None:
         s = self.scheduler

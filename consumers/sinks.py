@@ -7,7 +7,7 @@ from typing import Any
 
 from kinfer.consumers import metrics
 from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
-from kinfer.consumers.telemetry import StatsReporter
+from kinfer.consumers.stats_reporter import StatsReporter
 from kinfer.topics import Priority, Status
 from kinfer.topics.residency import TIERS
 

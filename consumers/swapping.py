@@ -160,7 +160,7 @@ class Swapper:
                 except (KafkaError, OSError) as exc:
                     log.warning("residency: reading lag failed, retrying: %s", exc)
                     continue
-                plan = self.residency.plan(time.monotonic(), seen)
+                plan = self.residency.swaps(time.monotonic(), seen)
                 self._drain(plan.drain)
                 for name in plan.unservable - self._unservable:
                     log.warning("%s: larger than the memory budget, cannot be served here", name)

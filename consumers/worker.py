@@ -62,8 +62,8 @@ from kinfer.consumers.runners import Runner, build_runner
 from kinfer.consumers.runners.base import default_executors, pick_device, set_threads
 from kinfer.consumers.settings import WorkerSettings
 from kinfer.consumers.sinks import PrometheusSink, StatsSink
+from kinfer.consumers.stats_reporter import StatsReporter
 from kinfer.consumers.swapping import Swapper
-from kinfer.consumers.telemetry import StatsReporter
 from kinfer.topics import MalformedRecord, Priority, Status, Unavailable, now_ms
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.cancel import CancelNote

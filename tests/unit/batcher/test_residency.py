@@ -37,7 +37,7 @@ def test_a_waiting_model_takes_the_place_of_the_least_recently_used_idle_one() -
     r.touch("a", 1.0)
     r.touch("b", 2.0)
     r.touch("a", 3.0)  # a used twice, last at 3; b once at 2
-    plan = r.plan(4.0, {"c": Demand(waiting=5)})
+    plan = r.swaps(4.0, {"c": Demand(waiting=5)})
     assert [(m.model, m.source, m.to) for m in plan.moves] == [("b", Tier.DEVICE, Tier.DISK),
                                                               ("c", Tier.DISK, Tier.DEVICE)]
 
@@ -49,7 +49,7 @@ def test_equal_demand_evicts_the_least_recently_used() -> None:
     r.initial(0.0)
     r.touch("b", 1.0)
     r.touch("a", 2.0)  # same demand (1 each): b is the older
-    assert r.plan(3.0, {"c": Demand(waiting=1)}).moves[0].model == "b"
+    assert r.swaps(3.0, {"c": Demand(waiting=1)}).moves[0].model == "b"
 
 
 def test_a_heavier_model_stays_longer() -> None:
@@ -60,7 +60,7 @@ def test_a_heavier_model_stays_longer() -> None:
     r.initial(0.0)
     r.touch("heavy", 1.0)
     r.touch("light", 2.0)  # more recent, but its load weight is a tenth
-    assert r.plan(3.0, {"new": Demand(waiting=1)}).moves[0].model == "light"
+    assert r.swaps(3.0, {"new": Demand(waiting=1)}).moves[0].model == "light"
 
 
 def test_never_evicts_a_model_with_work_and_waits_for_room() -> None:
@@ -68,9 +68,9 @@ def test_never_evicts_a_model_with_work_and_waits_for_room() -> None:
     r.register("a", 100 * MB)
     r.register("b", 100 * MB)
     r.initial(0.0)
-    plan = r.plan(1.0, {"a": Demand(busy=True), "b": Demand(waiting=3)})
+    plan = r.swaps(1.0, {"a": Demand(busy=True), "b": Demand(waiting=3)})
     assert plan.moves == [] and plan.drain == frozenset()
-    assert r.plan(2.0, {"a": Demand(), "b": Demand(waiting=3)}).moves[-1].model == "b"
+    assert r.swaps(2.0, {"a": Demand(), "b": Demand(waiting=3)}).moves[-1].model == "b"
 
 
 def test_time_slicing_drains_a_busy_model_after_a_quantum_then_swaps() -> None:
@@ -79,11 +79,11 @@ def test_time_slicing_drains_a_busy_model_after_a_quantum_then_swaps() -> None:
     r.register("b", 100 * MB)
     r.initial(0.0)
     both = {"a": Demand(waiting=100, busy=True), "b": Demand(waiting=100)}
-    assert r.plan(5.0, both).drain == frozenset()  # b waits, a has not had its quantum
-    plan = r.plan(16.0, both)  # b waited 11 s, a held the device 16 s
+    assert r.swaps(5.0, both).drain == frozenset()  # b waits, a has not had its quantum
+    plan = r.swaps(16.0, both)  # b waited 11 s, a held the device 16 s
     assert plan.moves == [] and plan.drain == {"a"}
     drained = {"a": Demand(waiting=80), "b": Demand(waiting=100)}
-    assert [m.model for m in r.plan(17.0, drained).moves] == ["a", "b"]
+    assert [m.model for m in r.swaps(17.0, drained).moves] == ["a", "b"]
     assert r.tier("b") == Tier.DEVICE
 
 
@@ -92,8 +92,8 @@ def test_keep_warm_protects_the_last_replicas() -> None:
     r.register("a", 100 * MB)
     r.register("b", 100 * MB)
     r.initial(0.0)
-    assert r.plan(1.0, {"a": Demand(replicas=1), "b": Demand(waiting=1)}).moves == []
-    assert r.plan(2.0, {"a": Demand(replicas=2), "b": Demand(waiting=1)}).moves[-1].model == "b"
+    assert r.swaps(1.0, {"a": Demand(replicas=1), "b": Demand(waiting=1)}).moves == []
+    assert r.swaps(2.0, {"a": Demand(replicas=2), "b": Demand(waiting=1)}).moves[-1].model == "b"
 
 
 def test_evictions_go_to_host_ram_pushing_the_least_valuable_to_disk() -> None:
@@ -102,14 +102,14 @@ def test_evictions_go_to_host_ram_pushing_the_least_valuable_to_disk() -> None:
         r.register(name, 100 * MB)
     r.initial(0.0)  # a on the device, b in host RAM, c on disk
     r.touch("a", 1.0)
-    moves = r.plan(2.0, {"c": Demand(waiting=1)}).moves
+    moves = r.swaps(2.0, {"c": Demand(waiting=1)}).moves
     assert [(m.model, m.to) for m in moves] == [("b", Tier.DISK), ("a", Tier.HOST), ("c", Tier.DEVICE)]
 
 
 def test_a_model_larger_than_the_device_is_unservable() -> None:
     r = residency(100)
     r.register("huge", 300 * MB)
-    plan = r.plan(0.0, {"huge": Demand(waiting=1)})
+    plan = r.swaps(0.0, {"huge": Demand(waiting=1)})
     assert plan.moves == [] and plan.unservable == {"huge"}
 
 
@@ -120,7 +120,7 @@ def test_a_footprint_measured_larger_sheds_idle_models() -> None:
     r.initial(0.0)
     r.resize("b", 150 * MB)
     r.touch("b", 1.0)
-    plan = r.plan(2.0, {})
+    plan = r.swaps(2.0, {})
     assert [(m.model, m.to) for m in plan.moves] == [("a", Tier.DISK)]
     assert r.used(Tier.DEVICE) <= 200 * MB
 
@@ -156,7 +156,7 @@ def test_properties(case: tuple[int, int, int, list[int], list[list[tuple[int, b
             seen[name] = Demand(waiting, busy and resident, replicas + resident)
             if waiting:
                 r.touch(name, now, waiting)
-        plan = r.plan(now, seen)
+        plan = r.swaps(now, seen)
         for move in plan.moves:
             assert move.source == tiers[move.model], "moves start where the model is"
             if move.source == Tier.DEVICE:
@@ -181,7 +181,7 @@ def test_no_starvation_between_two_busy_models_on_a_budget_of_one() -> None:
     for t in range(1, 40):
         resident = r.models(Tier.DEVICE)[0]
         seen = {name: Demand(waiting=50, busy=(name == resident and name not in draining)) for name in "ab"}
-        plan = r.plan(float(t), seen)
+        plan = r.swaps(float(t), seen)
         draining = plan.drain
         held.append(r.models(Tier.DEVICE)[0])
     assert held.count("a") >= 10 and held.count("b") >= 10
@@ -201,17 +201,17 @@ def test_a_model_warm_elsewhere_is_prefetched_only_when_a_queue_forms() -> None:
     r.initial(0.0)  # both fit: a and b resident
     r.register("c", 100 * MB)
     # c is warm on another worker: its lag of 10 is that worker's work in flight, not a queue.
-    assert r.plan(1.0, {"c": Demand(waiting=10, replicas=1)}).moves == []
+    assert r.swaps(1.0, {"c": Demand(waiting=10, replicas=1)}).moves == []
     # Steady lag over the threshold is still their work in flight; a queue forming (rising three polls
     # in a row) brings it here too, before it is long.
-    assert r.plan(2.0, {"c": Demand(waiting=60, replicas=1)}).moves == []
-    assert r.plan(2.5, {"c": Demand(waiting=55, replicas=1)}).moves == []
-    assert r.plan(3.0, {"c": Demand(waiting=70, replicas=1)}).moves == []
-    assert r.plan(3.5, {"c": Demand(waiting=90, replicas=1)}).moves == []
-    assert r.plan(4.0, {"c": Demand(waiting=120, replicas=1)}).moves[-1].model == "c"
+    assert r.swaps(2.0, {"c": Demand(waiting=60, replicas=1)}).moves == []
+    assert r.swaps(2.5, {"c": Demand(waiting=55, replicas=1)}).moves == []
+    assert r.swaps(3.0, {"c": Demand(waiting=70, replicas=1)}).moves == []
+    assert r.swaps(3.5, {"c": Demand(waiting=90, replicas=1)}).moves == []
+    assert r.swaps(4.0, {"c": Demand(waiting=120, replicas=1)}).moves[-1].model == "c"
     # Cold (nobody has it warm): the first record is enough.
     r.register("d", 100 * MB)
-    assert r.plan(5.0, {"d": Demand(waiting=1, replicas=0)}).moves[-1].model == "d"
+    assert r.swaps(5.0, {"d": Demand(waiting=1, replicas=0)}).moves[-1].model == "d"
 
 
 def test_a_hot_model_idle_between_two_requests_keeps_its_place_against_a_rare_one() -> None:
@@ -222,7 +222,7 @@ def test_a_hot_model_idle_between_two_requests_keeps_its_place_against_a_rare_on
     r.touch("hot", 1.0, 100)
     r.touch("rare1", 1.0, 2)
     # rare2 waits: the slot beside the hot model changes hands, the hot one stays.
-    assert [(m.model, m.to) for m in r.plan(2.0, {"rare2": Demand(waiting=1)}).moves] == [
+    assert [(m.model, m.to) for m in r.swaps(2.0, {"rare2": Demand(waiting=1)}).moves] == [
         ("rare1", Tier.DISK), ("rare2", Tier.DEVICE)]
     # Budget for one: the rare one waits for the hot one's quantum, then takes its turn.
     r2 = residency(100, quantum_s=10.0)
@@ -230,8 +230,8 @@ def test_a_hot_model_idle_between_two_requests_keeps_its_place_against_a_rare_on
     r2.register("rare", 100 * MB)
     r2.initial(0.0)
     r2.touch("hot", 1.0, 100)
-    assert r2.plan(2.0, {"rare": Demand(waiting=1)}).moves == []
-    assert [m.model for m in r2.plan(13.0, {"rare": Demand(waiting=1)}).moves] == ["hot", "rare"]
+    assert r2.swaps(2.0, {"rare": Demand(waiting=1)}).moves == []
+    assert [m.model for m in r2.swaps(13.0, {"rare": Demand(waiting=1)}).moves] == ["hot", "rare"]
 
 
 def test_a_hot_idle_model_is_not_evicted_while_a_cheaper_one_is_busy_for_a_moment() -> None:
@@ -246,9 +246,9 @@ def test_a_hot_idle_model_is_not_evicted_while_a_cheaper_one_is_busy_for_a_momen
     r.touch("cheap", 1.0, 40)
     r.touch("rare", 1.0, 30)
     busy = {"cheap": Demand(busy=True), "rare": Demand(waiting=1)}
-    assert r.plan(2.0, busy).moves == []  # not warm, though it is idle
+    assert r.swaps(2.0, busy).moves == []  # not warm, though it is idle
     free = {"rare": Demand(waiting=1)}
-    assert [(m.model, m.to) for m in r.plan(2.5, free).moves] == [("cheap", Tier.DISK), ("rare", Tier.DEVICE)]
+    assert [(m.model, m.to) for m in r.swaps(2.5, free).moves] == [("cheap", Tier.DISK), ("rare", Tier.DEVICE)]
 
 
 def test_two_busy_models_drain_together_so_a_large_one_gets_in() -> None:
@@ -258,11 +258,11 @@ def test_two_busy_models_drain_together_so_a_large_one_gets_in() -> None:
     r.register("b", 100 * MB)
     r.register("w", 200 * MB)
     r.initial(0.0)
-    assert r.plan(0.5, {"a": Demand(9, True), "b": Demand(9, True), "w": Demand(5)}).drain == set()
-    assert r.plan(2.0, {"a": Demand(9, True), "b": Demand(9, True), "w": Demand(5)}).drain == {"a", "b"}
+    assert r.swaps(0.5, {"a": Demand(9, True), "b": Demand(9, True), "w": Demand(5)}).drain == set()
+    assert r.swaps(2.0, {"a": Demand(9, True), "b": Demand(9, True), "w": Demand(5)}).drain == {"a", "b"}
     # a has finished what it held, b has not: a stays drained (it would otherwise fetch again).
-    assert r.plan(2.5, {"a": Demand(9), "b": Demand(9, True), "w": Demand(5)}).drain == {"a", "b"}
-    moves = r.plan(3.0, {"a": Demand(9), "b": Demand(9), "w": Demand(5)}).moves
+    assert r.swaps(2.5, {"a": Demand(9), "b": Demand(9, True), "w": Demand(5)}).drain == {"a", "b"}
+    moves = r.swaps(3.0, {"a": Demand(9), "b": Demand(9), "w": Demand(5)}).moves
     assert [m.model for m in moves] == ["a", "b", "w"]
 
 
@@ -271,7 +271,7 @@ def test_a_failed_move_is_put_back() -> None:
     r.register("a", 100 * MB)
     r.register("b", 100 * MB)
     r.initial(0.0)
-    moves = r.plan(1.0, {"b": Demand(waiting=1)}).moves
+    moves = r.swaps(1.0, {"b": Demand(waiting=1)}).moves
     assert r.tier("b") == Tier.DEVICE
     for m in reversed(moves):  # the swap-in failed: neither move stands
         r.place(m.model, m.source, 1.5)
@@ -298,5 +298,5 @@ def test_records_in_kafka_do_not_make_a_resident_model_busy_here() -> None:
     r.touch("hot", 1.0, 100)
     r.touch("cheap", 1.0, 5)
     r.touch("rare", 1.0, 4)
-    plan = r.plan(2.0, {"cheap": Demand(waiting=2), "rare": Demand(waiting=1)})
+    plan = r.swaps(2.0, {"cheap": Demand(waiting=2), "rare": Demand(waiting=1)})
     assert [(m.model, m.to) for m in plan.moves] == [("cheap", Tier.DISK), ("rare", Tier.DEVICE)]

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kinfer.batcher import BatchPolicy, GenPolicy
-from kinfer.consumers.cores import BatchCore, GenCore, Job, Outcome, Outgoing, Plan, Work
+from kinfer.consumers.cores import BatchCore, GenCore, Job, Next, Outcome, Outgoing, Work
 from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
 from kinfer.consumers.runners import ModelSpec
 from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, TokenEvent
@@ -199,7 +199,7 @@ def drain_batches(core: BatchCore, now: float, took_s: float = 0.01) -> list[Out
     raise AssertionError("the batch core never ran dry")
 
 
-def gen_step(core: GenCore, now: float) -> tuple[Plan, list[Outgoing]]:
+def gen_step(core: GenCore, now: float) -> tuple[Next, list[Outgoing]]:
     """One generation step: the plan, and every reply it gave (the plan's own, then the step's)."""
     plan = core.next(now)
     out = list(plan.replies)

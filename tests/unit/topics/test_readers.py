@@ -313,7 +313,7 @@ def test_publishing_counts_workers_per_model_in_one_pass() -> None:
 
 
 def test_a_worker_reports_only_what_the_telemetry_readers_accept() -> None:
-    from kinfer.consumers.telemetry import StatsReporter
+    from kinfer.consumers.stats_reporter import StatsReporter
 
     with pytest.raises(ValueError, match="worker id"):
         StatsReporter("a worker\n")

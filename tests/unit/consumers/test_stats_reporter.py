@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kinfer.consumers.telemetry import StatsReporter
+from kinfer.consumers.stats_reporter import StatsReporter
 from kinfer.topics.stats import BatchStats
 
 
