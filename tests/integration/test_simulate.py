@@ -21,26 +21,29 @@ async def test_the_simulator_agrees_with_a_short_real_run(
 ) -> None:
     """One worker of a simulated accelerator (10 ms an input: batching buys nothing) at 60/s,
     Poisson, through Kafka and Redis; the simulator, told the same, predicts the same median and tail
-    (the real run's 900 requests against a long simulated one: within 30 % or 10 ms; three real runs
-    of this test gave p95 77-85 ms, the simulator 89). The queueing is the simulator's own: only the
-    fixed costs come from the run."""
+    (the real run's 900 requests against a long simulated one: within 30 % or 10 ms). The queueing is
+    the simulator's own: only the fixed costs, and the spread of the transport, come from the run."""
     spawn_worker(topics, "--family", "noop", "--option", "per_input_ms=10")
     await wait_until_served(client, topics)
     report = await open_loop(client, topics, ["x"] * 900, 60.0, poisson=True, deadline_ms=30_000, seed=5)
     real = report.summary()
     assert real["ok"] == 900, report.statuses()
 
-    # Told what this machine measures (it differs by machine and load), from the run's own timings:
-    # the transport (send to fetch), the forward pass per input, and the way back (what is left of
-    # each request's latency); the worker's overhead per batch is the simulator's default.
+    # Told what this machine measures (it differs by machine and load: other tests may share its
+    # cores), from the run's own timings: the transport (send to fetch) as its floor plus an
+    # exponential spread of the measured mean, the forward pass per input, and the way back (what is
+    # left of each request's latency); the worker's overhead per batch is the simulator's default.
     ok = [(o.latency_ms, o.result.timings) for o in report.ok if o.result is not None]
-    transport = sum(t.queue_ms for _, t in ok) / len(ok)
+    queue = sorted(t.queue_ms for _, t in ok)
+    floor = queue[len(queue) // 20]  # the 5th percentile: what a request pays with nothing in its way
+    transport = sum(queue) / len(queue)
     per_input = statistics.median(t.compute_ms for _, t in ok if t.batch_size == 1)
     reply = statistics.median(lat - t.queue_ms - t.batch_wait_ms - t.compute_ms for lat, t in ok)
-    cfg = SimConfig(admission=False, transport_ms=transport, transport_jitter_ms=0.0, reply_ms=max(0.0, reply))
+    cfg = SimConfig(admission=False, transport_ms=floor, transport_jitter_ms=max(0.0, transport - floor),
+                    reply_ms=max(0.0, reply))
     model = SimModel(topics, 1.0, batch_ms={1: per_input, 32: 32 * per_input}, partitions=3, deadline_ms=30_000)
     predicted = Simulation([model], {topics: 1}, 60.0, cfg, seed=5).run(seconds=300.0)["models"][topics]
-    print(f"transport {transport:.1f} ms, forward {per_input:.1f} ms an input, reply {reply:.1f} ms; "
-          f"real {real}; simulated {predicted}")
+    print(f"transport {floor:.1f} ms + {transport - floor:.1f} ms spread, forward {per_input:.1f} ms an input, "
+          f"reply {reply:.1f} ms; real {real}; simulated {predicted}")
     for q in ("p50_ms", "p95_ms"):
         assert abs(real[q] - predicted[q]) <= max(10.0, 0.3 * predicted[q]), (q, real, predicted)
