@@ -106,32 +106,42 @@ def process_alive(pid: int, needle: str) -> bool:
 
 
 def _stop(pid: int, needle: str, timeout_s: float = 30.0) -> None:
+    _stop_all([(pid, needle)], timeout_s)
+
+
+def _stop_all(processes: list[tuple[int, str]], timeout_s: float = 30.0) -> None:
+    """SIGTERM to every process (its group) at once, SIGKILL to those still running ``timeout_s``
+    later. At once: a cluster's brokers shut down together while their controller quorum stands,
+    rather than the last waiting for a quorum that left before it."""
     try:
-        _terminate(pid, needle, timeout_s)
+        running = [(pid, needle) for pid, needle in processes
+                   if process_alive(pid, needle) and _signal(pid, signal.SIGTERM)]
+        deadline = time.monotonic() + timeout_s
+        while running and time.monotonic() < deadline:
+            time.sleep(0.1)
+            running = [(pid, needle) for pid, needle in running if not _gone(pid, needle)]
+        for pid, _ in running:
+            _signal(pid, signal.SIGKILL)
+        while running:
+            time.sleep(0.05)
+            running = [(pid, needle) for pid, needle in running if not _gone(pid, needle)]
     finally:
-        _reap(pid)  # a child of ours that exited is a zombie until polled (and Popen warns about it)
+        for pid, _ in processes:
+            _reap(pid)  # a child of ours that exited is a zombie until polled (and Popen warns about it)
 
 
-def _terminate(pid: int, needle: str, timeout_s: float) -> None:
-    if not process_alive(pid, needle):
-        return
+def _signal(pid: int, sig: signal.Signals) -> bool:
+    """``sig`` to ``pid``'s process group; False if it is gone."""
     try:
-        os.killpg(pid, signal.SIGTERM)
+        os.killpg(pid, sig)
     except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        _reap(pid)
-        if not process_alive(pid, needle):
-            return
-        time.sleep(0.1)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    while process_alive(pid, needle):
-        _reap(pid)
-        time.sleep(0.05)
+        return False
+    return True
+
+
+def _gone(pid: int, needle: str) -> bool:
+    _reap(pid)
+    return not process_alive(pid, needle)
 
 
 # Processes this Python process started: kept so they are reaped (and not warned about) here.
@@ -373,8 +383,7 @@ class LocalStack:
             self.state_file.unlink(missing_ok=True)  # an unreadable record of an older layout
             return False
         was = self._any_alive(info)
-        for broker in info.brokers:
-            _stop(broker.pid, self.KAFKA_NEEDLE)
+        _stop_all([(b.pid, self.KAFKA_NEEDLE) for b in info.brokers])
         _stop(info.redis_pid, self.REDIS_NEEDLE)
         self.state_file.unlink(missing_ok=True)
         return was
