@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 # state is in KINFER_HOME, else ~/.local/state/kinfer.
 export KINFER_CACHE ?= $(CURDIR)/.cache
 
-.PHONY: deps demo test pytest check lint typecheck unit stack-down clean
+.PHONY: deps demo test check lint typecheck unit stack-down clean
 
 $(VENV)/.kinfer-deps: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,12 +38,8 @@ typecheck: deps
 	$(PY) -m mypy
 
 # Tests run on every core (pytest-xdist), a file's tests on one worker: integration tests start
-# their own Kafka and Redis on free ports, one stack per worker. ruff and mypy run beside them, in
-# the time the integration tests spend waiting on brokers and processes.
-test: deps
-	@$(MAKE) --no-print-directory -j3 lint typecheck pytest
-
-pytest: deps
+# their own Kafka and Redis on free ports, one stack per worker.
+test: lint typecheck
 	$(PY) -m pytest -n auto --dist loadfile
 
 check: deps

@@ -27,7 +27,11 @@ async def test_the_simulator_agrees_with_a_short_real_run(
     await wait_until_served(client, topics)
     report = await open_loop(client, topics, ["x"] * 900, 60.0, poisson=True, deadline_ms=30_000, seed=5)
     real = report.summary()
-    assert real["ok"] == 900, report.statuses()
+    # Every request answered: ok, or shed by CoDel when the box is busy with other tests (the
+    # simulator runs the same batcher, CoDel included); the comparison is over the ok ones.
+    statuses = report.statuses()
+    assert sum(statuses.values()) == 900 and set(statuses) <= {"ok", "Shed"}, statuses
+    assert statuses["ok"] >= 891, statuses
 
     # Told what this machine measures (it differs by machine and load: other tests may share its
     # cores), from the run's own timings: the transport (send to fetch) as its floor plus an
