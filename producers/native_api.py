@@ -143,16 +143,19 @@ class WebSocketAPI:
 
         async def send(payload: dict[str, Any]) -> None:
             async with sending:
-                await ws.send_text(msgspec.json.encode(payload).decode())
+                try:
+                    await ws.send_text(msgspec.json.encode(payload).decode())
+                except RuntimeError as exc:  # Starlette's word for a socket that closed under the send
+                    raise WebSocketDisconnect(1006) from exc
 
         async def serve(message: WsMessage) -> None:
             try:
                 await self._request(model, message, who, send)
-            except (WebSocketDisconnect, RuntimeError):  # the caller left before its answer: nobody to tell
+            except WebSocketDisconnect:  # the caller left before its answer: nobody to tell
                 pass
-            except Exception:  # a fault of ours: said on the socket (as a 500 would be), which stays open
+            except Exception:  # a fault of ours, RuntimeError included: said on the socket as a 500 would be
                 log.exception("unexpected error on a WebSocket request to %s", model)
-                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                with contextlib.suppress(WebSocketDisconnect):
                     await send({"id": message.id, "code": 500, **error_body("internal", "internal error")})
             finally:
                 slots.release()

@@ -184,3 +184,29 @@ def test_the_producers_bounds_are_the_workers() -> None:
     assert openai_api.MAX_OPENAI_STOPS <= sampling.MAX_STOPS - 2  # room for the plain template's two stops
     joined = openai_api.MAX_OPENAI_STOPS * (openai_api.MAX_OPENAI_STOP_CHARS + 1) - 1
     assert joined <= DEFAULT_LIMITS.max_param_chars and openai_api.MAX_OPENAI_STOP_CHARS <= sampling.MAX_STOP_CHARS
+
+
+class FaultyClient:
+    """A client whose call fails with a bug of ours (not a KinferError, not the caller leaving)."""
+
+    async def infer(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug in the client path")
+
+
+def test_a_websocket_request_that_hits_a_bug_is_answered_500_and_the_socket_stays_open() -> None:
+    """Only the caller leaving goes unanswered; any fault of ours is said on the socket."""
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+    from starlette.testclient import TestClient
+
+    from kinfer.producers.gateway_pipeline import Gateway, GatewaySettings
+    from kinfer.producers.native_api import WebSocketAPI
+
+    gateway = Gateway(GatewaySettings("127.0.0.1:1", "redis://127.0.0.1:1/0"))
+    gateway._client = FaultyClient()  # type: ignore[assignment]
+    app = Starlette(routes=[WebSocketRoute("/v1/models/{model}/ws", WebSocketAPI(gateway).serve)])
+    with TestClient(app).websocket_connect("/v1/models/m/ws") as ws:
+        for rid in ("a", "b"):
+            ws.send_text(f'{{"id": "{rid}", "inputs": ["x"]}}')
+            answer = ws.receive_json()
+            assert answer["id"] == rid and answer["code"] == 500, answer
