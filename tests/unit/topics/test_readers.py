@@ -142,6 +142,36 @@ def test_the_health_watch_skips_each_bad_message_and_keeps_the_good_ones() -> No
         "depth": 1, "size": 1, "schema": 3, "tombstone": 1, "syntax": 1, "future": 1}
 
 
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats() | st.text(max_size=40)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=8) | st.dictionaries(st.text(max_size=20), inner, max_size=8),
+    max_leaves=40,
+)
+
+
+def packed(value: Any) -> bytes:
+    try:
+        return msgpack.packb(value)
+    except (OverflowError, ValueError):  # an integer msgpack cannot carry: its bytes are garbage then
+        return repr(value).encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.one_of(st.binary(max_size=2_000), msgpack_values.map(packed),
+                      st.dictionaries(st.sampled_from(sorted(HealthState.__struct_fields__)), msgpack_values,
+                                      max_size=12).map(packed)))
+def test_the_health_watch_takes_any_message_as_a_state_or_a_refusal(data: bytes) -> None:
+    """Whatever arrives on the channel (bytes, any msgpack value, a health record with any field
+    replaced: NaN, inf, huge numbers, deep nesting), one message is a state or a counted refusal, and
+    the next good one is still taken."""
+    w = watch()
+    got = w.accept(data, NOW)
+    assert got is None or isinstance(got, HealthState)
+    good = state(model="hw-after")
+    assert w.accept(good.pack(), NOW) == good
+
+
 def test_the_health_watch_keeps_at_most_its_models_and_drops_their_labels() -> None:
     w = watch(max_models=3)
     for i in range(3):
