@@ -241,11 +241,14 @@ SCENARIOS = (
 
 
 async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_dir: Path, rate: float,
-                    before_s: float, after_s: float, deadline_ms: int) -> dict[str, Any]:
+                    before_s: float, after_s: float, deadline_ms: int, partitions: int = 4,
+                    static: bool | None = None) -> dict[str, Any]:
     model = f"faults-{uuid.uuid4().hex[:6]}"
-    await ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, 4)])
+    await ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, partitions)])
     async with Client(info.bootstrap, info.redis_url, tenant="faults", admission=False) as client:
-        instance = f"faults-{uuid.uuid4().hex[:6]}" if scenario.workers == 1 else None
+        if static is None:  # a lone worker is a static member (it takes its partitions back on a restart)
+            static = scenario.workers == 1
+        instance = f"faults-{uuid.uuid4().hex[:6]}" if static and scenario.workers == 1 else None
         args = ("--family", "noop", *(("--instance-id", instance) if instance else ()), *scenario.worker_args)
         run = _Run(local, info, model, client, log_dir, args)
         for _ in range(scenario.workers):
@@ -315,13 +318,18 @@ def _counts(items: Any) -> dict[str, int]:
 
 
 def bench_faults(rate: float = 40.0, before_s: float = 3.0, after_s: float = 15.0, deadline_ms: int = 30_000,
-                 only: tuple[str, ...] = ()) -> dict[str, Any]:
+                 only: tuple[str, ...] = (), partitions: int = 4, membership: str = "default") -> dict[str, Any]:
+    """``partitions``: per priority topic; ``membership``: ``static`` or ``dynamic`` for the scenarios'
+    lone workers (``default``: static, as the restart scenario needs)."""
     chosen = [s for s in SCENARIOS if not only or s.name in only]
     unknown = set(only) - {s.name for s in SCENARIOS}
     if unknown:
         raise ValueError(f"unknown scenarios {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}")
+    if membership not in ("default", "static", "dynamic"):
+        raise ValueError(f"membership is static, dynamic or default, not {membership!r}")
+    static = None if membership == "default" else membership == "static"
     report: dict[str, Any] = {"rate": rate, "seconds": before_s + after_s, "deadline_ms": deadline_ms,
-                              "workers": "noop", "scenarios": {}}
+                              "partitions": partitions, "membership": membership, "workers": "noop", "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="kinfer-faults-") as tmp:
         for brokers in sorted({s.brokers for s in chosen}):
             local = LocalStack(Path(tmp) / f"stack-{brokers}", brokers=brokers)
@@ -330,7 +338,7 @@ def bench_faults(rate: float = 40.0, before_s: float = 3.0, after_s: float = 15.
                     log(f"{scenario.name} ...")
                     info = local.load() or info  # a restart keeps ports, not pids
                     result = asyncio.run(_scenario(scenario, local, info, Path(tmp), rate, before_s, after_s,
-                                                   deadline_ms))
+                                                   deadline_ms, partitions, static))
                     report["scenarios"][scenario.name] = result
                     log(f"  {result}")
     return report

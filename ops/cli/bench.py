@@ -116,13 +116,16 @@ def _faults_args(bf: argparse.ArgumentParser) -> None:
     bf.add_argument("--after-s", type=float, default=15.0, help="load from the fault on")
     bf.add_argument("--deadline-ms", type=int, default=30_000, help="longer than any recovery: unanswered = lost")
     bf.add_argument("--scenario", action="append", help="run only these (default: all)")
+    bf.add_argument("--partitions", type=int, default=4, help="partitions of each priority topic of the model")
+    bf.add_argument("--membership", choices=("default", "static", "dynamic"), default="default",
+                    help="lone workers join as static members (--instance-id) or dynamic ones (default: static)")
 
 
 def _faults(args: argparse.Namespace) -> dict[str, Any]:
     from kinfer.ops.bench.faults import bench_faults
 
     return bench_faults(rate=args.rate, before_s=args.before_s, after_s=args.after_s, deadline_ms=args.deadline_ms,
-                        only=tuple(args.scenario or ()))
+                        only=tuple(args.scenario or ()), partitions=args.partitions, membership=args.membership)
 
 
 def _autoscale_args(ba: argparse.ArgumentParser) -> None:
