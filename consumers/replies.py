@@ -11,6 +11,8 @@ from typing import NamedTuple
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kinfer.topics import Reply, ReplyBatch, ReplyRoute, Unavailable, pack, seal
@@ -25,6 +27,18 @@ log = logging.getLogger(__name__)
 DLQ_MAX_COPY_BYTES = 512 * 1024
 MISSING_TOPIC_TTL_S = 10.0  # a reply topic found missing is believed missing this long
 METADATA_TIMEOUT_S = 5.0
+# Replies over Redis: a PUBLISH that takes longer than this has failed (a Redis that is stopped or
+# swapping accepts the connection and never answers). No retries on that connection: the fallback is the retry.
+REDIS_REPLY_TIMEOUT_S = 0.25
+# After Redis failed, replies that have a fallback topic go straight to it this long before Redis is tried
+# again: a dead or stalled Redis costs each reply nothing, not a timeout each.
+REDIS_RETRY_S = 1.0
+
+
+def reply_redis(url: str) -> aioredis.Redis:
+    """The Redis client replies are published with: short timeouts, no retries of its own."""
+    return aioredis.Redis.from_url(url, socket_timeout=REDIS_REPLY_TIMEOUT_S,
+                                   socket_connect_timeout=REDIS_REPLY_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
 
 
 class ReplyTopics:
@@ -96,12 +110,20 @@ class ReplySink:
     they read batches (``batch_reply``). A Redis PUBLISH that reached no subscriber is not a
     delivery: such replies go to the request's fallback topic, like replies Redis could not take
     at all. Idempotent by request id on the receiving side, so publishing twice is harmless.
+
+    Once Redis fails (an error, or no answer within ``REDIS_REPLY_TIMEOUT_S`` when it is built with
+    ``reply_redis``), replies with a fallback topic skip it for ``REDIS_RETRY_S``; the first reply
+    after that tries it again.
     """
 
-    def __init__(self, producer: AIOKafkaProducer, redis: aioredis.Redis, topics: ReplyTopics | None = None) -> None:
+    def __init__(self, producer: AIOKafkaProducer, redis: aioredis.Redis, topics: ReplyTopics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._producer = producer
         self._redis = redis
         self.topics = topics or ReplyTopics(_topics_of(producer))
+        self._clock = clock
+        self._redis_down_until = -1.0
+        self.redis_skipped = 0  # replies sent straight to their fallback topic while Redis was failing
 
     async def publish(self, replies: Sequence[Delivery]) -> int:
         """Publish every reply; raises ``Unavailable`` if any could not go out (the caller retries).
@@ -111,12 +133,14 @@ class ReplySink:
         """
         channels: dict[str, list[Delivery]] = {}
         to_kafka: list[tuple[str, Delivery]] = []
+        redis_failing = self._clock() < self._redis_down_until
         for out in replies:
             route = out.route
-            if route.redis is not None:
+            if route.redis is not None and not (redis_failing and route.fallback_topic is not None):
                 channels.setdefault(route.redis, []).append(out)
             else:
-                to_kafka.append((route.name, out))
+                to_kafka.append((route.fallback_topic or route.name, out))
+                self.redis_skipped += route.redis is not None
         undelivered = 0
         if channels:
             fallback, undelivered = await self._publish_redis(channels)
@@ -161,6 +185,7 @@ class ReplySink:
                     pipe.publish(channel, data)
                 receivers = await pipe.execute()
         except (RedisError, OSError) as exc:
+            self._redis_down_until = self._clock() + REDIS_RETRY_S
             unsent = [o for _, _, outs in messages for o in outs]
             stranded = sum(1 for o in unsent if o.route.fallback_topic is None)
             if stranded:

@@ -57,7 +57,7 @@ from kinfer.consumers.feed import Feed, Signals
 from kinfer.consumers.membership import Membership
 from kinfer.consumers.observer import Observers
 from kinfer.consumers.poison import CarefulToken, DeliveryGuard
-from kinfer.consumers.replies import Delivery, ReplySink
+from kinfer.consumers.replies import Delivery, ReplySink, reply_redis
 from kinfer.consumers.runners import Runner, build_runner
 from kinfer.consumers.runners.base import default_executors, pick_device, set_threads
 from kinfer.consumers.settings import WorkerSettings
@@ -139,10 +139,11 @@ class Worker:
 
         producer = AIOKafkaProducer(**kafka_options(s.bootstrap), acks="all", enable_idempotence=True, linger_ms=1)
         redis = aioredis.Redis.from_url(s.redis_url)
+        replies_redis = reply_redis(s.redis_url)  # short timeouts: a stalled Redis sends replies to their fallback
         drained = self._signals.drained
         try:
             await producer.start()
-            self._sink = ReplySink(producer, redis)
+            self._sink = ReplySink(producer, replies_redis)
             await self._membership.start(self._sink)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -166,6 +167,7 @@ class Worker:
             await self._membership.close()
             await producer.stop()
             await redis.aclose()
+            await replies_redis.aclose()
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._swapper.close()
             log.info("worker %s stopped", s.worker_id)

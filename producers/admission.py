@@ -88,9 +88,10 @@ class SendLog:
         if self._at[0] < at_ms - 2 * self.keep_ms:  # trim now and then, not on every send
             del self._at[: bisect.bisect_left(self._at, at_ms - self.keep_ms)]
 
-    def since(self, at_ms: int) -> int:
-        """Requests sent after ``at_ms``."""
-        return len(self._at) - bisect.bisect_right(self._at, at_ms)
+    def since(self, at_ms: int, until_ms: int | None = None) -> int:
+        """Requests sent after ``at_ms`` (and no later than ``until_ms``)."""
+        end = len(self._at) if until_ms is None else bisect.bisect_right(self._at, until_ms)
+        return max(0, end - bisect.bisect_right(self._at, at_ms))
 
     def rate(self, now_ms: int, window_ms: int = 2_000) -> float:
         """Requests per second sent over the last ``window_ms``."""

@@ -20,7 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -31,8 +31,15 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from kinfer.producers import metrics
-from kinfer.producers.admission import AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
+from kinfer.producers.admission import (
+    MAX_EXTRAPOLATION_S,
+    AdaptiveThrottle,
+    SendLog,
+    expected_wait_ms,
+    health_decision,
+)
 from kinfer.producers.health import HealthWatch
+from kinfer.producers.hedging import HedgePolicy, Hedger
 from kinfer.producers.replies import ReplyMux
 from kinfer.topics import (
     DEFAULT_LIMITS,
@@ -84,6 +91,9 @@ class ClientSettings:
     reply_via: Literal["redis", "kafka"] = "redis"  # kafka: every reply over the reply topic (durable, slower)
     admission: bool = True  # obey the health signal and throttle adaptively before enqueueing
     limits: Limits = DEFAULT_LIMITS
+    # A request unanswered at the model's recent p99 goes once more to another partition; partitions
+    # that stopped answering are skipped (``producers.hedging``). ``HedgePolicy(enabled=False)``: never.
+    hedging: HedgePolicy = field(default_factory=HedgePolicy)
     # Signs each request for its tenant (a deployment whose workers check signatures refuses
     # unsigned ones). Default: from the environment (KINFER_TENANT_KEY, or KINFER_SIGNING_SECRET).
     signer: Signer | None = None
@@ -101,6 +111,13 @@ def _turn(message: Turn | Mapping[str, str]) -> Turn:
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"not a chat message (role: system, user or assistant; content): {exc}",
                              "messages") from exc
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A send task's outcome is read by whoever waits for it, or by nobody (a hedge that lost): never
+    "exception never retrieved"."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _time_out(waiter: asyncio.Future[Any]) -> None:
@@ -141,6 +158,7 @@ class Client:
         self._service_ms: dict[str, float] = {}  # per model: compute time of the batches that served us
         self._admitted: dict[tuple[str, Priority], Any] = {}  # Prometheus children, resolved once
         self._demand_at: dict[str, float] = {}  # per cold model: when we last said it was wanted
+        self._hedger = Hedger(self.settings.hedging)
         self._background: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -231,9 +249,20 @@ class Client:
         return self._replies.unknown
 
     @property
+    def hedges(self) -> dict[str, float]:
+        """Requests sent, hedges sent and refused for want of budget, and hedges per request sent."""
+        h = self._hedger
+        return {"sent": h.sent, "hedged": h.budget.spent, "unpaid": h.budget.refused, "fraction": h.fraction}
+
+    @property
     def late_replies(self) -> int:
         """Replies dropped because their caller had already given up (deadline passed)."""
         return self._replies.late
+
+    @property
+    def late_reply_ids(self) -> set[str]:
+        """The requests those late replies answered (the most recent 50,000): answered, too late."""
+        return set(self._replies.late_ids)
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -263,11 +292,7 @@ class Client:
         loop = asyncio.get_running_loop()
         timer = loop.call_at(loop.time() + max(0.0, self._remaining_s(request)), _time_out, waiter)
         try:
-            await self._publish(topic, data, request, headers)
-            try:
-                result = await waiter
-            except TimeoutError as exc:
-                raise DeadlineExceeded(f"{model}/{request.id}: no reply by the deadline", answered=False) from exc
+            result = await self._exchange(topic, data, request, headers, waiter)
         finally:
             timer.cancel()
             if waiter.done() and not waiter.cancelled():
@@ -396,7 +421,10 @@ class Client:
         now = now_ms()
         wait = None
         if health is not None:
-            wait = expected_wait_ms(health, request.priority, sent.since(health.updated_ms), now, sent.rate(now))
+            # Brought forward at most MAX_EXTRAPOLATION_S, this producer's sends too: a state that old
+            # (its monitor down or stalled) stays what it said until it is stale, never a growing queue.
+            sends = sent.since(health.updated_ms, health.updated_ms + int(1000 * MAX_EXTRAPOLATION_S))
+            wait = expected_wait_ms(health, request.priority, sends, now, sent.rate(now))
         decision = health_decision(health, request.priority, request.deadline_ms - now,
                                    service_ms=self._service_ms.get(request.model), wait_ms=wait)
         if decision.admit and request.priority > Priority.P0:  # interactive work is never throttled locally
@@ -415,8 +443,81 @@ class Client:
         admitted.inc()
         sent.record(now)
 
+    async def _exchange(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
+                        waiter: asyncio.Future[Result]) -> Result:
+        """Publish the request and wait for its result, hedging it once (``producers.hedging``).
+
+        The request goes to a partition the board trusts. Unanswered at the model's recent p99, it is
+        published again (same id, same bytes) to another partition, paid from the hedge budget, and its
+        first partition becomes suspect unless it answered something meanwhile. The first result wins;
+        the other copy's is dropped by id. A copy the broker refuses fails the call only when no copy
+        was taken.
+        """
+        hedger = self._hedger
+        partitions = self._partitions(topic)
+        sent_at = time.monotonic()
+        first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
+        sends = {self._spawn_send(topic, data, request, headers, first)}
+        hedger.sent_one()
+        delay = hedger.delay_s(request.model) if partitions and len(partitions) > 1 else None
+        hedged, accepted = False, False
+        refusals: list[BaseException] = []
+        try:
+            while not waiter.done():
+                timeout = None if delay is None or hedged else max(0.0, sent_at + delay - time.monotonic())
+                waiting: set[asyncio.Future[Any]] = {waiter, *sends}
+                done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in [t for t in sends if t in done]:
+                    sends.discard(task)
+                    if (error := task.exception()) is None:
+                        accepted = True
+                    else:
+                        refusals.append(error)
+                if not done and not hedged:  # unanswered at the hedge delay
+                    hedged = True
+                    now = time.monotonic()
+                    assert first is not None and partitions
+                    hedger.board.hedged(topic, first, sent_at, now)
+                    if hedger.budget.spend():
+                        metrics.HEDGES.labels(request.model).inc()
+                        second = hedger.board.pick(topic, partitions, now, avoid=(first,))
+                        sends.add(self._spawn_send(topic, data, request, headers, second))
+                    else:
+                        metrics.HEDGES_UNPAID.labels(request.model).inc()
+                if refusals and not sends and not accepted and not waiter.done():
+                    raise refusals[0]  # no copy reached the broker: its refusal is the answer
+            try:
+                result = waiter.result()
+            except TimeoutError as exc:
+                if not accepted:
+                    raise DeadlineExceeded(
+                        f"{request.model}/{request.id}: the broker did not take the request by its deadline",
+                        answered=False, accepted=False) from exc
+                raise DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline",
+                                       answered=False) from exc
+        finally:
+            for task in sends:
+                task.cancel()
+        now = time.monotonic()
+        if first is not None and not hedged:
+            hedger.board.answered(topic, first, now)
+        if result.status is Status.OK:
+            hedger.observe(request.model, now - sent_at)
+        return result
+
+    def _spawn_send(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
+                    partition: int | None) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(self._publish(topic, data, request, headers, partition))
+        task.add_done_callback(_retrieve)
+        return task
+
+    def _partitions(self, topic: str) -> list[int] | None:
+        """The topic's partitions that have a leader now (the producer's metadata), None when unknown."""
+        available = self._producer.client.cluster.available_partitions_for_topic(topic)
+        return sorted(available) if available else None
+
     async def _publish(self, topic: str, data: bytes, request: Request,
-                       headers: list[tuple[str, bytes]] | None) -> None:
+                       headers: list[tuple[str, bytes]] | None, partition: int | None = None) -> None:
         """Hand the request to the broker, by its deadline whatever the broker does.
 
         A broker that is down or slow makes the call fail at the deadline (``DeadlineExceeded``, not
@@ -426,7 +527,7 @@ class Client:
         """
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):
-                await (await self._producer.send(topic, data, headers=headers))
+                await (await self._producer.send(topic, data, headers=headers, partition=partition))
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"{request.model}/{request.id}: the broker did not take the request by its deadline",

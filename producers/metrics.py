@@ -38,3 +38,13 @@ LEGACY_SEALED_REPLIES = Counter(
     "kinfer_client_legacy_sealed_replies_total",
     "Replies taken under the older, unencrypted seal (from a worker not upgraded yet)",
 )
+HEDGES = Counter(
+    "kinfer_client_hedges_total",
+    "Requests published a second time to another partition, unanswered at the model's recent p99 (producers.hedging)",
+    ["model"],
+)
+HEDGES_UNPAID = Counter(
+    "kinfer_client_hedges_unpaid_total",
+    "Hedges wanted but not sent: the hedge budget was spent",
+    ["model"],
+)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -76,6 +76,7 @@ class ReplyMux:
         self.reply_topic = reply_topic
         self.duplicates = 0
         self.late = 0
+        self.late_ids: deque[str] = deque(maxlen=self.RECENT)  # the requests those late replies answered
         self.unknown = 0  # replies for ids this client never sent, and other clients' on a shared topic
         self.malformed = 0  # messages that are not replies (dropped)
         self.forged = 0  # messages on our own channel not sealed with our key (dropped)
@@ -314,8 +315,13 @@ class ReplyMux:
                 except KinferError as exc:
                     stream.fail(exc)
             return
-        fut = self._waiters.pop(reply.id, None)
-        if fut is not None and not fut.done() and isinstance(reply, Result):
+        fut = self._waiters.get(reply.id)
+        if fut is not None and isinstance(reply, Result):
+            if fut.done():  # its caller timed out a moment ago and has not said so yet (``forget``)
+                self.late += 1
+                self.late_ids.append(reply.id)
+                return
+            del self._waiters[reply.id]
             fut.set_result(reply)
             self._remember(reply.id, answered=True)
             return
@@ -326,6 +332,7 @@ class ReplyMux:
             self.duplicates += 1
         else:
             self.late += 1
+            self.late_ids.append(reply.id)
 
     def _reader_done(self, task: asyncio.Task[None]) -> None:
         """A supervisor ends only when cancelled (``close``); anything else (a ``BaseException``

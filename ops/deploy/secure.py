@@ -643,3 +643,15 @@ async def create_acls(bootstrap: str, options: dict[str, Any], tenants: Mapping[
     finally:
         await client.close()
         await tls_closes_settled()
+
+
+# How fast a replicated cluster gets over a broker that died or stalls (Kafka's defaults: 9 s to fence a
+# broker that stopped heartbeating, 30 s before a stalled follower leaves the in-sync set). With acks=all,
+# every partition that broker follows waits on it until then: with three brokers, every partition. These
+# are what ``docs/operations.md`` states for a deployment; the compose file sets the same.
+FAILOVER_PROPERTIES = (
+    "broker.heartbeat.interval.ms=500",
+    "broker.session.timeout.ms=3000",
+    "replica.lag.time.max.ms=1000",
+    "replica.fetch.wait.max.ms=100",
+)

@@ -249,6 +249,7 @@ def broker_properties(layout: Layout, index: int, admin_password: str) -> str:
         f"default.replication.factor={replicas}",
         f"min.insync.replicas={insync}",
         "group.initial.rebalance.delay.ms=0",
+        *sec.FAILOVER_PROPERTIES,
     ]
     return "\n".join(lines) + "\n"
 

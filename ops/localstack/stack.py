@@ -260,7 +260,9 @@ class LocalStack:
     REDIS_NEEDLE = "redis-server"
 
     def __init__(self, home: Path | None = None, kafka_port: int | None = None, redis_port: int | None = None,
-                 brokers: int = 1, secure: bool | None = None):
+                 brokers: int = 1, secure: bool | None = None, failover: bool = True):
+        """``failover``: a cluster of several brokers gets over a dead or stalled one in seconds
+        (``ops.deploy.secure.FAILOVER_PROPERTIES``); False keeps Kafka's defaults."""
         if not 1 <= brokers <= 9:
             raise StackError(f"brokers must be within 1..9, got {brokers}")
         self.restarted: list[str] = []  # what the last ``up`` started
@@ -270,6 +272,7 @@ class LocalStack:
         self.brokers = brokers
         # None: as before (a stack, or storage, that was secure comes back secure); a new stack is not.
         self.secure = secure
+        self.failover = failover
         self.state_file = self.home / "stack.json"
 
     # -- public ------------------------------------------------------------------------------
@@ -496,6 +499,7 @@ class LocalStack:
                     f"min.insync.replicas={max(1, replicas - 1)}",
                     "group.initial.rebalance.delay.ms=0",
                     "log.retention.hours=24",
+                    *(sec.FAILOVER_PROPERTIES if size > 1 and self.failover else ()),
                     "",
                 ]
             )

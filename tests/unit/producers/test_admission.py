@@ -140,3 +140,17 @@ def test_a_cold_model_is_judged_by_its_cold_start_not_its_level() -> None:
     assert not health_decision(unknown, Priority.P2, deadline_in_ms=10_000).admit
     # Warm again: the level rules as before.
     assert not health_decision(cold.__replace__(warm_replicas=1), Priority.P2, deadline_in_ms=10_000).admit
+
+
+def test_sends_are_counted_within_the_extrapolation_window_only() -> None:
+    """A monitor that died leaves its last state: extrapolated for MAX_EXTRAPOLATION_S with this producer's
+    sends of that window, then held as it was (not a queue that grows by every send until the state is stale)."""
+    log = SendLog()
+    for t in range(10_000, 20_000, 5):  # 200/s for 10 s after the state
+        log.record(t)
+    window = log.since(10_000, 10_000 + int(1000 * MAX_EXTRAPOLATION_S))
+    assert window == pytest.approx(200 * MAX_EXTRAPOLATION_S, abs=1)
+    assert log.since(10_000) == 1_999 and log.since(20_000) == 0 and log.since(15_000, 14_000) == 0
+    calm = HealthState("m", Level.OK, 20.0, 0, 5, 200.0, 200.0, 10_000, capacity_rps=480.0)
+    held = [expected_wait_ms(calm, Priority.P1, window, now, own_rps=200.0) for now in (12_000, 15_000, 19_000)]
+    assert held[0] == held[1] == held[2] < 1_000.0  # the same wait all along: nothing refused for it

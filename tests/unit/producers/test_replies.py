@@ -7,12 +7,26 @@ import contextlib
 
 import msgpack
 import msgspec
+import pytest
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaConnectionError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kinfer.consumers.replies import Delivery, ReplySink, ReplyTopics
 from kinfer.producers.replies import ReplyMux
-from kinfer.topics import Chunk, ReplyBatch, ReplyRoute, Result, Sealed, Status, Usage, decode_replies, pack, seal
+from kinfer.topics import (
+    Chunk,
+    ReplyBatch,
+    ReplyRoute,
+    Result,
+    Sealed,
+    Status,
+    Unavailable,
+    Usage,
+    decode_replies,
+    pack,
+    seal,
+)
 from kinfer.topics.auth import seal_box
 from kinfer.topics.envelope import ReplyRefused
 
@@ -199,3 +213,49 @@ async def test_replies_are_sealed_with_each_request_key_and_batched_only_under_o
                 opened.append((key, [r.id for r in decode_replies(data, key).replies]))
                 break
     assert sorted(opened, key=str) == sorted([(a, ["1", "3"]), (b, ["2"]), (None, ["4"])], key=str)
+
+
+class _DownRedis:
+    """A Redis whose every pipeline fails, counting the attempts."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+        self.up = False
+
+    def pipeline(self, transaction: bool) -> _Pipe:
+        self.tries += 1
+        if not self.up:
+            raise RedisConnectionError("stalled")
+        return _Pipe([])
+
+
+async def test_after_redis_fails_replies_with_a_fallback_skip_it_for_a_while_then_try_it_again() -> None:
+    now = [100.0]
+    redis, producer = _DownRedis(), _Producer()
+    sink = ReplySink(producer, redis, ReplyTopics(_Metadata({"replies.default"})),  # type: ignore[arg-type]
+                     clock=lambda: now[0])
+    route = ReplyRoute.channel("kinfer:reply:t:c", "replies.default")
+    await sink.publish([Delivery(route, result("1"))])
+    assert redis.tries == 1 and producer.sent == ["replies.default"]  # failed over, and remembered
+    await sink.publish([Delivery(route, result("2")), Delivery(route, result("3"))])
+    assert redis.tries == 1 and producer.sent == ["replies.default"] * 3 and sink.redis_skipped == 2
+    with pytest.raises(Unavailable):  # no fallback: Redis is its only way, so it is tried (and fails)
+        await sink.publish([Delivery(ReplyRoute.channel("kinfer:reply:t:c"), result("4"))])
+    assert redis.tries == 2
+    now[0] += 1.5  # past the retry interval: Redis is tried again, and it is back
+    redis.up = True
+    await sink.publish([Delivery(route, result("5"))])
+    assert redis.tries == 3 and producer.sent == ["replies.default"] * 3
+
+
+async def test_a_reply_just_after_its_caller_timed_out_is_late_not_unknown() -> None:
+    mux = ReplyMux(aioredis.Redis(), "kinfer:reply:test")
+    waiter = mux.expect("slow")
+    waiter.set_exception(TimeoutError())  # the deadline fired; the caller has not forgotten it yet
+    mux._receive(seal(result("slow"), mux.key), "redis")
+    assert (mux.late, mux.unknown, list(mux.late_ids)) == (1, 0, ["slow"])
+    waiter.exception()
+    mux.forget("slow")
+    mux._receive(seal(result("slow"), mux.key), "kafka")  # the fallback copy: late again, never a duplicate answer
+    assert (mux.late, mux.duplicates) == (2, 0)
+    await mux.close()

@@ -1,0 +1,215 @@
+"""Hedged requests and partition avoidance: the client's answer to a partition that stopped moving. No I/O.
+
+A request sits on one partition of its topic, and only that partition's owner can answer it. When
+the owner dies or stalls (SIGKILL, a pause, its broker gone), every request on the partition waits
+for the group to notice (the session timeout, seconds) or for the broker's leader election; a caller
+with a one-second deadline sees an outage. Two mechanisms, driven by what this client sees itself:
+
+- **Hedging** ("The Tail at Scale", Dean and Barroso): a request still unanswered at the model's
+  recent p99 (``LatencyWindow``; at most four times its median, so the slow answers of a fault do
+  not push the hedge past the deadline) is published once more, with the same id and bytes, to another
+  partition. The first answer wins; the other copy's answer is a duplicate the client drops by id
+  (workers are idempotent by id already). Hedges are paid from a ``HedgeBudget`` that earns a
+  fraction of a hedge for every request sent, so the extra work stays bounded (2 % by default).
+- **Avoidance** (``PartitionBoard``): a partition whose request had to be hedged, and that has
+  answered nothing since that request was sent, is *suspect*: new requests go to the others. A
+  suspect partition gets one probe request every ``probe_s``; an answer it gives clears it.
+
+Evidence is per client and needs no other process: a dead lag monitor or a Redis outage does not
+blind it. The cost of a false suspicion (a slow batch, a GC pause) is a few hedges and a partition
+skipped for ``probe_s``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HedgePolicy:
+    """When and how much to hedge."""
+
+    enabled: bool = True
+    budget: float = 0.02  # hedges earned per request sent: at most this fraction, over time
+    burst: float = 50.0  # hedges that may be spent at once (a partition dying strands a burst)
+    # Hedge a request unanswered at this quantile of recent latencies: about 1 - quantile of requests
+    # would be hedged in calm weather, which must leave most of the budget for a partition that dies.
+    quantile: float = 0.99
+    min_delay_ms: float = 20.0  # never sooner (a hedge before the batch window closes is waste)
+    median_cap: float = 4.0  # and never later than this many times the recent median
+    min_samples: int = 32  # no hedging for a model until this many answers were timed
+    window: int = 512  # recent answers a model's quantile is taken over
+    probe_s: float = 1.0  # a suspect partition gets one request this often, to see whether it is back
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.budget <= 1.0:
+            raise ValueError(f"budget must be within [0, 1], got {self.budget}")
+        if not 0.0 < self.quantile < 1.0:
+            raise ValueError(f"quantile must be within (0, 1), got {self.quantile}")
+        if self.burst < 1.0 or self.min_samples < 1 or self.window < self.min_samples:
+            raise ValueError("need burst >= 1 and 1 <= min_samples <= window")
+        if not (math.isfinite(self.min_delay_ms) and self.min_delay_ms >= 0 and math.isfinite(self.probe_s)
+                and self.probe_s > 0 and math.isfinite(self.median_cap) and self.median_cap >= 1):
+            raise ValueError("min_delay_ms must be >= 0, probe_s > 0 and median_cap >= 1")
+
+
+class LatencyWindow:
+    """A model's last ``size`` answer latencies, and their quantile (kept sorted: O(log n) a sample)."""
+
+    def __init__(self, size: int) -> None:
+        self._order: deque[float] = deque()
+        self._sorted: list[float] = []
+        self._size = size
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        if len(self._order) == self._size:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._order.append(seconds)
+        bisect.insort(self._sorted, seconds)
+
+    def quantile(self, q: float) -> float | None:
+        if not self._sorted:
+            return None
+        return self._sorted[min(len(self._sorted) - 1, int(q * len(self._sorted)))]
+
+
+class HedgeBudget:
+    """A token bucket: each request sent earns ``rate`` of a hedge, up to ``burst``; a hedge spends one."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.spent = 0
+        self.refused = 0  # hedges wanted and not paid for
+
+    def earn(self) -> None:
+        self.tokens = min(self.burst, self.tokens + self.rate)
+
+    def spend(self) -> bool:
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            self.spent += 1
+            return True
+        self.refused += 1
+        return False
+
+
+@dataclass(slots=True)
+class _Partition:
+    last_answer: float = -math.inf  # when it last answered an unhedged request of ours
+    suspect_since: float | None = None  # its request was hedged and it has answered nothing since
+    probed: float = -math.inf  # when a suspect partition last got a request anyway
+
+
+class PartitionBoard:
+    """Per topic and partition: which partitions answer, and where the next request should go."""
+
+    def __init__(self, probe_s: float) -> None:
+        self.probe_s = probe_s
+        self._parts: dict[tuple[str, int], _Partition] = {}
+        self._turn: dict[str, int] = {}
+
+    def _get(self, topic: str, partition: int) -> _Partition:
+        key = (topic, partition)
+        part = self._parts.get(key)
+        if part is None:
+            if len(self._parts) >= 65_536:  # topics come and go: forget the ones nothing is known of
+                self._parts = {k: p for k, p in self._parts.items() if p.suspect_since is not None}
+            part = self._parts[key] = _Partition()
+        return part
+
+    def suspect(self, topic: str, partition: int) -> bool:
+        part = self._parts.get((topic, partition))
+        return part is not None and part.suspect_since is not None
+
+    def pick(self, topic: str, partitions: Sequence[int], now: float, avoid: Iterable[int] = ()) -> int:
+        """The partition for the next request (round robin over the trusted ones), or for a hedge (not one
+        of ``avoid``). A suspect partition is offered once every ``probe_s``; with every one suspect, any."""
+        if not partitions:
+            raise ValueError("no partitions to pick from")
+        skip = set(avoid)
+        turn = self._turn.get(topic, 0)
+        self._turn[topic] = turn + 1
+        n = len(partitions)
+        fallback = None
+        for i in range(n):
+            p = partitions[(turn + i) % n]
+            if p in skip:
+                continue
+            part = self._parts.get((topic, p))
+            if part is None or part.suspect_since is None:
+                return p
+            if now - part.probed >= self.probe_s:
+                part.probed = now
+                return p
+            fallback = p if fallback is None else fallback
+        if fallback is not None:
+            return fallback
+        return partitions[turn % n]
+
+    def answered(self, topic: str, partition: int, now: float) -> None:
+        """An unhedged request on ``partition`` was answered: it works."""
+        part = self._get(topic, partition)
+        part.last_answer = now
+        part.suspect_since = None
+
+    def hedged(self, topic: str, partition: int, sent: float, now: float) -> None:
+        """A request sent to ``partition`` at ``sent`` is still unanswered at ``now``: unless the partition
+        answered something since, it is suspect."""
+        part = self._get(topic, partition)
+        if part.last_answer < sent and part.suspect_since is None:
+            part.suspect_since = now
+            part.probed = now
+
+
+class Hedger:
+    """The client's hedging state: one budget, a latency window per model, the partition board."""
+
+    def __init__(self, policy: HedgePolicy) -> None:
+        self.policy = policy
+        self.budget = HedgeBudget(policy.budget, policy.burst)
+        self.board = PartitionBoard(policy.probe_s)
+        self._latency: dict[str, LatencyWindow] = {}
+        self.sent = 0  # requests sent (first copies)
+
+    def sent_one(self) -> None:
+        self.sent += 1
+        self.budget.earn()
+
+    def delay_s(self, model: str) -> float | None:
+        """How long to wait before hedging a request to ``model`` (None: do not hedge it)."""
+        if not self.policy.enabled:
+            return None
+        window = self._latency.get(model)
+        if window is None or len(window) < self.policy.min_samples:
+            return None
+        q, median = window.quantile(self.policy.quantile), window.quantile(0.5)
+        assert q is not None and median is not None
+        # A window that took in a fault's slow answers has a p99 of the fault, not of the model: the
+        # median barely moves, so the delay is held within a few medians of it.
+        return max(self.policy.min_delay_ms / 1000.0, min(q, self.policy.median_cap * median))
+
+    def observe(self, model: str, seconds: float) -> None:
+        """An answer to ``model`` took ``seconds`` from send to result."""
+        window = self._latency.get(model)
+        if window is None:
+            if len(self._latency) >= 1_024:  # a caller cycling through model names: start over
+                self._latency.clear()
+            window = self._latency[model] = LatencyWindow(self.policy.window)
+        window.add(seconds)
+
+    @property
+    def fraction(self) -> float:
+        """Hedges sent per request sent."""
+        return self.budget.spent / self.sent if self.sent else 0.0

@@ -1,0 +1,67 @@
+"""Hedged requests on a live stack: a partition whose owner stops answering costs a hedge, not a timeout.
+
+Two workers share a model's three partitions; one is paused (SIGSTOP), so the requests on its
+partitions wait for the group's session timeout. A client without hedging loses those to their
+deadline; a client with hedging answers every one: the stalled copy is published again to another
+partition, and the partitions that stopped answering are avoided after their first hedge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+
+import pytest
+
+from kinfer.ops.localstack.procs import wait_until_served
+from kinfer.ops.localstack.stack import StackInfo
+from kinfer.producers import Client
+from kinfer.producers.hedging import HedgePolicy
+from kinfer.topics import DeadlineExceeded
+from tests.integration.conftest import WorkerProcess
+
+pytestmark = pytest.mark.integration
+
+
+async def burst(client: Client, model: str, n: int, deadline_ms: int) -> tuple[int, int]:
+    """``n`` requests, 20 a second: (answered ok, timed out)."""
+    async def one(i: int) -> bool:
+        await asyncio.sleep(i / 20.0)
+        try:
+            return (await client.infer(model, [f"x{i}"], deadline_ms=deadline_ms)).ok
+        except DeadlineExceeded:
+            return False
+
+    outcomes = await asyncio.gather(*(one(i) for i in range(n)))
+    return sum(outcomes), n - sum(outcomes)
+
+
+async def test_a_paused_owner_costs_hedges_not_answers(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    workers = [spawn_worker(topics, "--family", "noop") for _ in range(2)]
+    policy = HedgePolicy(min_samples=16)
+    async with Client(stack.bootstrap, stack.redis_url, tenant="tests", hedging=policy, admission=False) as hedged, \
+            Client(stack.bootstrap, stack.redis_url, tenant="tests", hedging=HedgePolicy(enabled=False),
+                   admission=False) as plain:
+        await wait_until_served(hedged, topics)
+        for _ in range(30):  # until both serve (the second one's join splits the partitions)
+            ok, _ = await burst(hedged, topics, 40, 5_000)  # meanwhile the client learns the model's latency
+            assert ok == 40
+            if all(w.metric("kinfer_results_total") > 0 for w in workers):
+                break
+        else:
+            raise AssertionError("the second worker never got a partition")
+        os.kill(workers[0].proc.pid, signal.SIGSTOP)
+        try:
+            # Well inside the 6 s session timeout: the paused worker's partitions stay its own throughout.
+            _, plain_lost = await burst(plain, topics, 20, 1_500)
+            ok, lost = await burst(hedged, topics, 40, 1_500)
+        finally:
+            os.kill(workers[0].proc.pid, signal.SIGCONT)
+    assert plain_lost > 0, "the paused worker owned no partition: the test proves nothing"
+    assert (ok, lost) == (40, 0)
+    counts = hedged.hedges
+    assert 1 <= counts["hedged"] < 20, counts  # after the first hedges its partitions are skipped

@@ -1,0 +1,139 @@
+"""Hedging and partition avoidance (producers.hedging): budgets, quantiles, suspicion and probes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
+
+T = "infer.m.p1"
+
+
+def test_budget_earns_a_fraction_per_request_and_caps_at_the_burst() -> None:
+    budget = HedgeBudget(rate=0.02, burst=3)
+    assert [budget.spend() for _ in range(4)] == [True, True, True, False]
+    for _ in range(49):
+        budget.earn()
+    assert not budget.spend()  # 0.98 of a hedge
+    budget.earn()
+    assert budget.spend()
+    for _ in range(10_000):
+        budget.earn()
+    assert budget.tokens == 3
+    assert budget.spent == 4 and budget.refused == 2
+
+
+@given(st.lists(st.sampled_from(["send", "hedge"]), max_size=3_000))
+def test_hedges_never_exceed_the_budget(steps: list[str]) -> None:
+    hedger = Hedger(HedgePolicy(budget=0.02, burst=5))
+    for step in steps:
+        if step == "send":
+            hedger.sent_one()
+        else:
+            hedger.budget.spend()
+    assert hedger.budget.spent <= 5 + 0.02 * hedger.sent + 1e-9
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=300), st.integers(1, 64))
+def test_latency_window_quantile_is_over_the_last_samples(samples: list[float], size: int) -> None:
+    window = LatencyWindow(size)
+    for s in samples:
+        window.add(s)
+    last = sorted(samples[-size:])
+    assert len(window) == len(last)
+    assert window.quantile(0.95) == last[min(len(last) - 1, int(0.95 * len(last)))]
+    assert window.quantile(0.0) == last[0]
+
+
+def test_latency_window_ignores_what_is_not_a_duration() -> None:
+    window = LatencyWindow(4)
+    for bad in (math.nan, math.inf, -1.0):
+        window.add(bad)
+    assert len(window) == 0 and window.quantile(0.5) is None
+
+
+def test_no_hedging_until_enough_answers_then_at_the_quantile_with_a_floor() -> None:
+    hedger = Hedger(HedgePolicy(min_samples=10, min_delay_ms=20))
+    for _ in range(9):
+        hedger.observe("m", 0.005)
+    assert hedger.delay_s("m") is None
+    hedger.observe("m", 0.005)
+    assert hedger.delay_s("m") == pytest.approx(0.020)  # the floor
+    for i in range(100):
+        hedger.observe("m", 0.001 * i)
+    assert 0.090 <= (hedger.delay_s("m") or 0) <= 0.099  # p99 of 0..99 ms
+    assert Hedger(HedgePolicy(enabled=False)).delay_s("m") is None
+
+
+def test_a_fault_s_slow_answers_do_not_push_the_hedge_delay_past_a_few_medians() -> None:
+    hedger = Hedger(HedgePolicy(window=100, min_samples=10))
+    for _ in range(90):
+        hedger.observe("m", 0.050)
+    for _ in range(10):  # a stalled partition's answers, seconds late
+        hedger.observe("m", 3.0)
+    assert hedger.delay_s("m") == pytest.approx(0.200)  # 4 x the 50 ms median, not the 3 s p99
+
+
+def test_round_robin_over_trusted_partitions() -> None:
+    board = PartitionBoard(probe_s=1.0)
+    assert [board.pick(T, [0, 1, 2], 0.0) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_hedged_partition_is_avoided_and_probed_once_a_period() -> None:
+    board = PartitionBoard(probe_s=1.0)
+    board.hedged(T, 1, sent=10.0, now=10.1)
+    assert board.suspect(T, 1)
+    picks = [board.pick(T, [0, 1, 2], 10.2) for _ in range(30)]
+    assert 1 not in picks and set(picks) == {0, 2}
+    picks = [board.pick(T, [0, 1, 2], 11.2) for _ in range(30)]
+    assert picks.count(1) == 1  # one probe a period
+    board.answered(T, 1, 11.25)  # the probe came back: trusted again
+    assert not board.suspect(T, 1)
+    assert 1 in [board.pick(T, [0, 1, 2], 11.3) for _ in range(3)]
+
+
+def test_a_partition_that_answered_since_the_request_was_sent_is_not_suspect() -> None:
+    board = PartitionBoard(probe_s=1.0)
+    board.answered(T, 0, 5.0)
+    board.hedged(T, 0, sent=4.9, now=5.2)  # one slow request on a partition that answers: not stalled
+    assert not board.suspect(T, 0)
+    board.hedged(T, 0, sent=5.1, now=5.3)
+    assert board.suspect(T, 0)
+
+
+def test_a_hedge_goes_elsewhere_and_all_suspect_still_picks_one() -> None:
+    board = PartitionBoard(probe_s=10.0)
+    assert all(board.pick(T, [0, 1], 0.0, avoid=(0,)) == 1 for _ in range(5))
+    for p in (0, 1, 2):
+        board.hedged(T, p, sent=0.0, now=0.1)
+    for _ in range(10):
+        assert board.pick(T, [0, 1, 2], 0.2, avoid=(2,)) in (0, 1, 2)
+    with pytest.raises(ValueError):
+        board.pick(T, [], 0.0)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["pick", "hedge", "answer"]), st.integers(0, 5),
+                          st.floats(0, 1, allow_nan=False)), max_size=200))
+def test_pick_always_names_an_offered_partition(steps: list[tuple[str, int, float]]) -> None:
+    board = PartitionBoard(probe_s=0.5)
+    now = 0.0
+    offered = [0, 1, 2, 3]
+    for kind, p, dt in steps:
+        now += dt
+        if kind == "pick":
+            assert board.pick(T, offered, now, avoid=(p,)) in offered
+        elif kind == "hedge":
+            board.hedged(T, p, now - dt, now)
+        else:
+            board.answered(T, p, now)
+
+
+def test_policy_refuses_nonsense() -> None:
+    for bad in ({"budget": 1.5}, {"quantile": 1.0}, {"burst": 0.5}, {"min_samples": 10, "window": 5},
+                {"probe_s": 0}, {"min_delay_ms": math.nan}):
+        with pytest.raises(ValueError):
+            HedgePolicy(**bad)  # type: ignore[arg-type]
