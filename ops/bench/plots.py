@@ -18,6 +18,7 @@ from typing import Any
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.autoscale import plot_autoscale
 from kinfer.ops.bench.batching import POLICIES, plot_batching
+from kinfer.ops.bench.chaos import plot_chaos
 from kinfer.ops.bench.faults import plot_faults
 from kinfer.ops.bench.gateway import plot_serve
 from kinfer.ops.bench.generation import plot_generation
@@ -122,6 +123,8 @@ PLOTTERS: dict[str, tuple[Callable[[Report], bool], Callable[[Report, str], str]
     "autoscale": (lambda r: _has(r, "autoscaled", "trace"), plot_autoscale),
     "overload": (lambda r: _has(r, "with_backpressure") or _has(r, "without_backpressure"), plot_overload),
     "faults": (lambda r: _has(r, "scenarios"), plot_faults),
+    "chaos": (lambda r: _has(r, "availability", "timeline"), plot_chaos),
+    "chaos-variants": (lambda r: _has(r, "variants"), plot_chaos),
     "generation": (lambda r: _has(r, "continuous", "static"), plot_generation),
     "serve": (lambda r: _has(r, "through_gateway"), plot_serve),
     "batching": (lambda r: _has_steps(r, POLICIES), plot_batching),

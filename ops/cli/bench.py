@@ -128,6 +128,35 @@ def _faults(args: argparse.Namespace) -> dict[str, Any]:
                         only=tuple(args.scenario or ()), partitions=args.partitions, membership=args.membership)
 
 
+def _chaos_args(bc: argparse.ArgumentParser) -> None:
+    from kinfer.ops.bench.chaos import FAULTS, VARIANTS, ChaosConfig
+
+    d = ChaosConfig()
+    _json_arg(bc)
+    bc.add_argument("--minutes", type=float, default=d.minutes, help=f"length of the soak [{d.minutes:g}]")
+    bc.add_argument("--rate", type=float, default=d.rate, help=f"requests/s, Poisson [{d.rate:g}]")
+    bc.add_argument("--deadline-ms", type=int, default=d.deadline_ms,
+                    help=f"every request's deadline; ok within it is the service level [{d.deadline_ms}]")
+    bc.add_argument("--seed", type=int, default=d.seed, help="the faults, their order and times [1]")
+    bc.add_argument("--every-s", type=float, nargs=2, default=d.every_s, metavar=("MIN", "MAX"),
+                    help="seconds between two faults [30 60]")
+    bc.add_argument("--fault", action="append", choices=FAULTS, help="only these faults (default: all)")
+    bc.add_argument("--variants", default="all",
+                    help=f"comma-separated soaks to run side by side, same seed: {', '.join(VARIANTS)} [all]")
+    bc.add_argument("--keep", metavar="DIR", help="keep each soak's stack and process logs under DIR")
+
+
+def _chaos(args: argparse.Namespace) -> dict[str, Any]:
+    from kinfer.ops.bench.chaos import FAULTS, ChaosConfig, bench_chaos
+
+    config = ChaosConfig(minutes=args.minutes, rate=args.rate, deadline_ms=args.deadline_ms, seed=args.seed,
+                         every_s=(args.every_s[0], args.every_s[1]), faults=tuple(args.fault or FAULTS))
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    for name in variants:
+        config.variant(name)  # an unknown one fails now, not after the first soak
+    return bench_chaos(config, variants, keep=args.keep)
+
+
 def _autoscale_args(ba: argparse.ArgumentParser) -> None:
     _json_arg(ba)
     ba.add_argument("--quiet-rps", type=float, default=30.0)
@@ -193,6 +222,8 @@ BENCHES = {bench.name: bench for bench in (
           _transport_args, _transport),
     Bench("faults", "faults injected under a steady load: offered, ok, error, lost, recovery", _faults_args,
           _faults),
+    Bench("chaos", "availability over a soak with a fault every 30-60 s (workers, brokers, Redis, control)",
+          _chaos_args, _chaos),
     Bench("autoscale", "a 5x traffic step: the autoscaler vs static peak provisioning", _autoscale_args, _autoscale),
     Bench("overload", "a 3x capacity surge with and without the health signal, side by side", _overload_args,
           _overload),

@@ -1,0 +1,417 @@
+"""``kinfer bench chaos``: availability over a long soak while processes die, one fault every 30–60 s.
+
+The fleet looks like production, on this box: three KRaft brokers (replication 3, min in-sync 2),
+Redis, three workers of a simulated accelerator (``noop`` with a fixed time per batch, so the box's
+CPU is not what limits them), the lag monitor and the telemetry stream, each kept alive by a
+supervisor that restarts what dies (as Kubernetes would), and the client library with admission on.
+Traffic is open-loop Poisson at ``rate`` (about half the fleet's capacity by default), every request
+with the same deadline (``deadline_ms``). After a quiet warm-up, a fault from the menu comes every
+30–60 s, drawn from ``seed`` (the same seed, the same faults at the same times):
+
+    worker_sigkill      a worker killed; its supervisor restarts it (same instance id)
+    worker_sigstop      a worker paused 5–12 s (past its session timeout), then resumed
+    broker_sigkill      a broker killed, restarted 3 s later
+    broker_slow         a broker paused 2–4 s, then resumed
+    redis_sigkill       Redis killed, restarted 2 s later
+    redis_slow          Redis paused 1–3 s, then resumed
+    lagmon_sigkill      the lag monitor killed; its supervisor restarts it
+    telemetry_sigkill   the telemetry stream killed; its supervisor restarts it
+
+Each request ends as: ``ok`` within its deadline (the service level), ``refused`` (admission said
+so before sending), ``expired``/``error`` (a worker answered with a refusal or a failure),
+``unaccepted`` (the broker did not take it by the deadline) or ``timed_out`` (taken, no answer by the
+deadline). A timed-out request that no reply ever reached, by the end of the soak, is ``lost``:
+at-least-once was broken. **availability = ok / offered.** Per fault: what it was, when,
+how many requests sent until the next fault failed, and ``recovery_s``: from the fault to the send of
+the last of them.
+
+``variants`` runs the same soak (same seed, same faults) with a mechanism switched off, one after the
+other on fresh stacks: ``no-hedging`` (the client never hedges nor avoids a partition),
+``no-failover`` (Kafka's default broker failover timings), ``no-static`` (workers join as dynamic
+members: a restarted worker waits out its old self's session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from subprocess import Popen
+from typing import Any
+
+from kinfer.ops.bench import drawing as draw
+from kinfer.ops.bench.harness import log
+from kinfer.ops.capacity.sla import percentile_ms
+from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
+from kinfer.ops.localstack.stack import LocalStack, StackInfo
+from kinfer.producers import Client
+from kinfer.producers.hedging import HedgePolicy
+from kinfer.topics import DeadlineExceeded, KinferError, Overloaded
+from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+
+FAULTS = ("worker_sigkill", "worker_sigstop", "broker_sigkill", "broker_slow", "redis_sigkill", "redis_slow",
+          "lagmon_sigkill", "telemetry_sigkill")
+VARIANTS = ("all", "no-hedging", "no-failover", "no-static")
+MODEL = "chaos"
+KINDS = ("ok", "refused", "expired", "error", "unaccepted", "timed_out")  # how a request can end
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    minutes: float = 20.0
+    rate: float = 200.0  # requests/s, open loop (Poisson): about 40 % of the fleet's capacity
+    deadline_ms: int = 1_000  # each request's deadline: answered ok within it is the service level
+    workers: int = 3
+    partitions: int = 6  # per priority topic
+    compute_ms: float = 25.0  # one batch on the simulated accelerator
+    max_batch: int = 4  # so a worker serves max_batch / compute_ms: 160/s, the fleet 480/s
+    every_s: tuple[float, float] = (30.0, 60.0)  # between two faults
+    warmup_s: float = 20.0  # traffic before the soak, not counted: every worker joins, estimates settle
+    first_fault_s: float = 10.0  # into the soak
+    drain_s: float = 15.0  # after the traffic, time for late replies (lost = none ever came)
+    seed: int = 1
+    faults: tuple[str, ...] = FAULTS
+    hedging: bool = True
+    failover: bool = True
+    static: bool = True
+
+    def variant(self, name: str) -> ChaosConfig:
+        if name == "all":
+            return self
+        if name == "no-hedging":
+            return replace(self, hedging=False)
+        if name == "no-failover":
+            return replace(self, failover=False)
+        if name == "no-static":
+            return replace(self, static=False)
+        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+def schedule(config: ChaosConfig) -> list[tuple[float, str]]:
+    """(seconds from the start of traffic, fault) for the whole soak: every kind in turn, in an order and
+    at times drawn from the seed."""
+    rng = random.Random(config.seed)
+    kinds = list(config.faults)
+    rng.shuffle(kinds)
+    out: list[tuple[float, str]] = []
+    at = config.first_fault_s
+    end = config.minutes * 60.0
+    i = 0
+    while kinds and at < end - 10.0:
+        out.append((round(at, 1), kinds[i % len(kinds)]))
+        i += 1
+        at += rng.uniform(*config.every_s)
+    return out
+
+
+@dataclass
+class _Call:
+    rid: str
+    sent: float  # seconds into the soak
+    t0: float  # when it was sent, on the monotonic clock
+    done: float = math.nan
+    kind: str = "timed_out"
+    why: str = ""  # refused: admission's cause; error: the error's type
+    wrong: bool = False
+
+
+@dataclass
+class _Proc:
+    name: str
+    start: Callable[[], Popen[bytes]]
+    proc: Popen[bytes] | None = None
+    restarts: int = 0
+    paused: bool = False
+
+
+class Supervisor:
+    """Keeps processes running: one that exits is started again a second later (a kubelet's restart)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, _Proc] = {}
+        self._stopping = False
+
+    def add(self, name: str, start: Callable[[], Popen[bytes]]) -> None:
+        self.procs[name] = _Proc(name, start, start())
+
+    async def watch(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(0.5)
+            for p in self.procs.values():
+                if p.proc is not None and p.proc.poll() is not None and not self._stopping:
+                    await asyncio.sleep(1.0)
+                    p.proc = p.start()
+                    p.restarts += 1
+
+    def pid(self, name: str) -> int:
+        proc = self.procs[name].proc
+        assert proc is not None
+        return proc.pid
+
+    def stop(self) -> None:
+        self._stopping = True
+        for p in self.procs.values():
+            if p.proc is not None:
+                if p.proc.poll() is None:
+                    os.kill(p.proc.pid, signal.SIGCONT)  # a paused one must be able to stop
+                stop_process(p.proc)
+
+
+class _Fleet:
+    def __init__(self, config: ChaosConfig, local: LocalStack, info: StackInfo, logs: Path) -> None:
+        self.config = config
+        self.local = local
+        self.info = info
+        self.logs = logs
+        self.supervisor = Supervisor()
+        self.rng = random.Random(config.seed + 1)
+
+    def start(self) -> None:
+        c = self.config
+        args = ["--family", "noop", "--option", f"compute_ms={c.compute_ms}", "--max-batch-size", str(c.max_batch)]
+        for i in range(c.workers):
+            extra = [*args, *(["--instance-id", f"chaos-{i}"] if c.static else [])]
+            self.supervisor.add(f"worker-{i}", lambda extra=extra, i=i: spawn_worker(  # type: ignore[misc]
+                self.info, MODEL, *extra, log_path=str(self.logs / f"worker-{i}.log")))
+        self.supervisor.add("lagmon", lambda: spawn(self.info, "lagmon", "--model", MODEL,
+                                                    log_path=str(self.logs / "lagmon.log")))
+        self.supervisor.add("telemetry", lambda: spawn(self.info, "telemetry",
+                                                       log_path=str(self.logs / "telemetry.log")))
+
+    async def inject(self, kind: str) -> str:
+        """Do ``kind``; returns its target. Returns once the fault is over (a pause resumed, a stack part restarted)."""
+        info = self.local.load() or self.info
+        if kind in ("worker_sigkill", "worker_sigstop"):
+            name = f"worker-{self.rng.randrange(self.config.workers)}"
+            pid = self.supervisor.pid(name)
+            if kind == "worker_sigkill":
+                os.kill(pid, signal.SIGKILL)
+            else:
+                await _pause(pid, self.rng.uniform(5.0, 12.0))
+            return name
+        if kind in ("lagmon_sigkill", "telemetry_sigkill"):
+            name = kind.split("_")[0]
+            os.kill(self.supervisor.pid(name), signal.SIGKILL)
+            return name
+        if kind in ("broker_sigkill", "broker_slow"):
+            broker = info.brokers[self.rng.randrange(len(info.brokers))]
+            if kind == "broker_sigkill":
+                os.kill(broker.pid, signal.SIGKILL)
+                await asyncio.sleep(3.0)
+                await asyncio.to_thread(self.local.up)
+            else:
+                await _pause(broker.pid, self.rng.uniform(2.0, 4.0))
+            return f"broker-{broker.node_id}"
+        if kind == "redis_sigkill":
+            os.kill(info.redis_pid, signal.SIGKILL)
+            await asyncio.sleep(2.0)
+            await asyncio.to_thread(self.local.up)
+            return "redis"
+        if kind == "redis_slow":
+            await _pause(info.redis_pid, self.rng.uniform(1.0, 3.0))
+            return "redis"
+        raise ValueError(f"unknown fault {kind!r}")
+
+
+async def _pause(pid: int, seconds: float) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def _soak(config: ChaosConfig, fleet: _Fleet) -> dict[str, Any]:
+    info = fleet.info
+    await ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, config.partitions)])
+    fleet.start()
+    watcher = asyncio.create_task(fleet.supervisor.watch())
+    policy = HedgePolicy() if config.hedging else HedgePolicy(enabled=False)
+    try:
+        async with Client(info.bootstrap, info.redis_url, tenant="chaos", hedging=policy) as client:
+            await wait_until_served(client, MODEL)  # the others join during the warm-up
+            return await _drive(config, fleet, client)
+    finally:
+        fleet.supervisor.stop()
+        watcher.cancel()
+
+
+async def _drive(config: ChaosConfig, fleet: _Fleet, client: Client) -> dict[str, Any]:
+    rng = random.Random(config.seed + 2)
+    plan = schedule(config)
+    calls: list[_Call] = []
+    faults: list[dict[str, Any]] = []
+    pending: set[asyncio.Task[None]] = set()
+
+    async def one(call: _Call) -> None:
+        try:
+            result = await client.infer(MODEL, [call.rid], deadline_ms=config.deadline_ms,
+                                        request_id=None if call.rid == "warmup" else call.rid)
+            call.kind, call.wrong = "ok", result.id != call.rid and call.rid != "warmup"
+        except DeadlineExceeded as exc:
+            call.kind = "expired" if exc.answered else "timed_out" if exc.accepted else "unaccepted"
+        except Overloaded as exc:  # ColdStart too: admission refused it before sending
+            call.kind, call.why = "refused", exc.cause or ""
+        except KinferError as exc:
+            call.kind, call.why = "error", type(exc).__name__
+        call.done = time.monotonic()
+
+    async def fault(at: float, kind: str) -> None:
+        entry: dict[str, Any] = {"kind": kind, "at_s": at}
+        faults.append(entry)
+        log(f"  {at:7.1f} s  {kind}")
+        entry["target"] = await fleet.inject(kind)
+
+    warm = time.monotonic() + config.warmup_s
+    next_at = time.monotonic()
+    while (now := time.monotonic()) < warm:  # the same traffic, not counted
+        await asyncio.sleep(max(0.0, next_at - now))
+        task = asyncio.create_task(one(_Call("warmup", 0.0, now)))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        next_at += rng.expovariate(config.rate)
+    start = next_at = time.monotonic()
+    end = start + config.minutes * 60.0
+    i = 0
+    injecting: list[asyncio.Task[None]] = []
+    while (now := time.monotonic()) < end:
+        while plan and start + plan[0][0] <= now:
+            at, kind = plan.pop(0)
+            injecting.append(asyncio.create_task(fault(at, kind)))
+        if next_at > now:
+            await asyncio.sleep(next_at - now)
+        t0 = time.monotonic()
+        call = _Call(f"chaos-{config.seed}-{i}", t0 - start, t0)
+        i += 1
+        calls.append(call)
+        task = asyncio.create_task(one(call))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        next_at += rng.expovariate(config.rate)
+    await asyncio.gather(*injecting)
+    await asyncio.gather(*pending)
+    await asyncio.sleep(config.drain_s)  # replies that come late still say the request was not lost
+    late = client.late_reply_ids
+    report = _report(config, calls, faults, late, client.hedges, fleet)
+    report["replies"] = {"late": client.late_replies, "duplicates_dropped": client.duplicate_replies,
+                         "unknown": client.unknown_replies, "forged": client.forged_replies,
+                         "received": client.replies_received}
+    return report
+
+
+def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]], late: set[str],
+            hedges: dict[str, float], fleet: _Fleet) -> dict[str, Any]:
+    offered = len(calls)
+    ok = [c for c in calls if c.kind == "ok"]
+    latencies = [(c.done - c.t0) * 1000.0 for c in ok]
+    counts = {k: sum(c.kind == k for c in calls) for k in KINDS}
+    lost = [c.rid for c in calls if c.kind == "timed_out" and c.rid not in late]
+    for i, f in enumerate(faults):
+        until = faults[i + 1]["at_s"] if i + 1 < len(faults) else math.inf
+        failed = [c for c in calls if f["at_s"] <= c.sent < until and c.kind != "ok"]
+        f["failed"] = len(failed)
+        f["by_kind"] = _tally(f"{c.kind}:{c.why}" if c.why else c.kind for c in failed)
+        f["recovery_s"] = round(max(c.sent for c in failed) - f["at_s"], 2) if failed else 0.0
+    seconds = int(config.minutes * 60.0) + 1
+    timeline = {"offered": [0] * seconds, "failed": [0] * seconds}
+    for c in calls:
+        s = min(seconds - 1, int(c.sent))
+        timeline["offered"][s] += 1
+        timeline["failed"][s] += c.kind != "ok"
+    return {
+        "kind": "chaos",
+        "availability": round(counts["ok"] / offered, 6) if offered else None,
+        "offered": offered,
+        **counts,
+        "why": _tally(f"{c.kind}:{c.why}" for c in calls if c.why),
+        "lost": len(lost),
+        "lost_ids": lost[:20],
+        "duplicates_delivered": sum(c.wrong for c in calls),
+        "p50_ms": percentile_ms(latencies, 50),
+        "p95_ms": percentile_ms(latencies, 95),
+        "p99_ms": percentile_ms(latencies, 99),
+        "hedged_fraction": round(hedges["fraction"], 5),
+        "hedges": {k: int(v) for k, v in hedges.items() if k != "fraction"},
+        "faults": faults,
+        "restarts": {name: p.restarts for name, p in fleet.supervisor.procs.items()},
+        "timeline": timeline,
+        "config": {"minutes": config.minutes, "rate": config.rate, "deadline_ms": config.deadline_ms,
+                   "workers": config.workers, "partitions": config.partitions, "compute_ms": config.compute_ms,
+                   "max_batch": config.max_batch, "seed": config.seed, "hedging": config.hedging,
+                   "failover": config.failover, "static": config.static},
+    }
+
+
+def _tally(items: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def bench_chaos(config: ChaosConfig, variants: tuple[str, ...] = ("all",), keep: str | None = None) -> dict[str, Any]:
+    """One soak per variant, each on a fresh three-broker stack; one variant: its report alone. ``keep``: a
+    folder where each variant's stack and process logs stay (default: a temporary one, removed)."""
+    reports: dict[str, Any] = {}
+    for name in variants:
+        c = config.variant(name)
+        log(f"chaos {name}: {c.minutes:g} min at {c.rate:g}/s, deadline {c.deadline_ms} ms, seed {c.seed}")
+        with tempfile.TemporaryDirectory(prefix="kinfer-chaos-") as tmp:
+            home = Path(keep) / name if keep is not None else Path(tmp)
+            local = LocalStack(home / "stack", brokers=3, failover=c.failover)
+            info, _ = local.up(timeout_s=180)
+            logs = home / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            try:
+                fleet = _Fleet(c, local, info, logs)
+                reports[name] = asyncio.run(_soak(c, fleet))
+            finally:
+                local.down()
+        r = reports[name]
+        log(f"  availability {r['availability']}, lost {r['lost']}, p99 {r['p99_ms']} ms, "
+            f"hedged {r['hedged_fraction']}")
+    if len(variants) == 1:
+        only: dict[str, Any] = reports[variants[0]]
+        return only
+    return {"kind": "chaos-variants", "variants": reports}
+
+
+# -- the picture ----------------------------------------------------------------------------------------
+
+
+def plot_chaos(report: dict[str, Any], path: str) -> str:
+    """Requests per second and those that missed the service level, with the faults marked."""
+    plt = draw.pyplot()
+    runs = report["variants"] if report.get("kind") == "chaos-variants" else {"all": report}
+    fig, axes = plt.subplots(len(runs), 1, figsize=(13, 3.2 * len(runs)), squeeze=False)
+    for ax, (name, run) in zip(axes[:, 0], runs.items(), strict=True):
+        offered, failed = run["timeline"]["offered"], run["timeline"]["failed"]
+        xs = list(range(len(offered)))
+        ax.plot(xs, offered, color="#1f77b4", lw=0.8, label="offered /s")
+        ax.bar(xs, failed, width=1.0, color="#d62728", label="not ok within the deadline /s")
+        top = max([*offered, 1])
+        for f in run["faults"]:
+            ax.axvline(f["at_s"], color="grey", lw=0.6, ls="--")
+            ax.annotate(f["kind"].replace("_", " "), (f["at_s"], top), rotation=90, fontsize=6, va="top",
+                        ha="right", color="grey")
+        ax.set_ylabel("requests/s")
+        ax.set_title(f"{name}: availability {run['availability']:.4%}, lost {run['lost']}, "
+                     f"p95 {run['p95_ms']} ms, p99 {run['p99_ms']} ms, hedged {run['hedged_fraction']:.2%}",
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[-1, 0].set_xlabel("seconds into the soak")
+    first = next(iter(runs.values()))["config"]
+    draw.title(fig, f"kinfer bench chaos: {first['workers']} workers (simulated accelerator), 3 brokers, "
+                    f"{first['rate']:g} requests/s, deadline {first['deadline_ms']} ms")
+    return draw.save(fig, path)
+
+
+__all__ = ["FAULTS", "VARIANTS", "ChaosConfig", "bench_chaos", "plot_chaos", "schedule"]
