@@ -52,7 +52,8 @@ MAX_EXTRAPOLATION_S = 2.0
 
 
 def expected_wait_ms(
-    health: HealthState, priority: Priority, sent_since: int, now_ms: int, own_rps: float = 0.0
+    health: HealthState, priority: Priority, sent_since: int, now_ms: int, own_rps: float = 0.0,
+    answered_rps: float = 0.0,
 ) -> float:
     """The queueing a request of ``priority`` sent now should expect, between two health states.
 
@@ -65,8 +66,12 @@ def expected_wait_ms(
     The rate is the workers' capacity; without one, the drain rate, but only while a queue stands
     (below saturation the drain rate is the arrival rate: an idle model would refuse a burst).
     The result is never below the state's own wait less the time since (a stalled queue stays so).
+    ``answered_rps``: how fast this producer's own requests are being answered now, a rate the workers
+    certainly drain at, whatever a state measured while its monitor's view was stale says.
     """
     rate = health.capacity_rps or (health.drain_rps if health.lag > 0 else 0.0)
+    if rate > 0:
+        rate = max(rate, answered_rps)
     if rate <= 0:
         return health.predicted_wait_ms
     elapsed_s = min(MAX_EXTRAPOLATION_S, max(0, now_ms - health.updated_ms) / 1000.0)

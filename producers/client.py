@@ -155,6 +155,7 @@ class Client:
         self._health = HealthWatch(self._redis)
         self._throttles: dict[str, AdaptiveThrottle] = {}
         self._sent: dict[str, SendLog] = {}
+        self._answered: dict[str, SendLog] = {}  # per model: when this client's requests were answered
         self._service_ms: dict[str, float] = {}  # per model: compute time of the batches that served us
         self._admitted: dict[tuple[str, Priority], Any] = {}  # Prometheus children, resolved once
         self._demand_at: dict[str, float] = {}  # per cold model: when we last said it was wanted
@@ -300,6 +301,8 @@ class Client:
             self._replies.forget(request.id)
         refused = result.status in (Status.SHED, Status.EXPIRED)
         self._throttle(model).record(time.monotonic(), accepted=not refused)
+        if self.settings.admission:
+            self._answered.setdefault(model, SendLog()).record(now_ms())
         if result.status is Status.OK and result.timings.compute_ms > 0:
             seen = self._service_ms.get(model, result.timings.compute_ms)
             self._service_ms[model] = seen + 0.1 * (result.timings.compute_ms - seen)
@@ -424,7 +427,9 @@ class Client:
             # Brought forward at most MAX_EXTRAPOLATION_S, this producer's sends too: a state that old
             # (its monitor down or stalled) stays what it said until it is stale, never a growing queue.
             sends = sent.since(health.updated_ms, health.updated_ms + int(1000 * MAX_EXTRAPOLATION_S))
-            wait = expected_wait_ms(health, request.priority, sends, now, sent.rate(now))
+            answered = self._answered.get(request.model)
+            wait = expected_wait_ms(health, request.priority, sends, now, sent.rate(now),
+                                    answered.rate(now) if answered is not None else 0.0)
         decision = health_decision(health, request.priority, request.deadline_ms - now,
                                    service_ms=self._service_ms.get(request.model), wait_ms=wait)
         if decision.admit and request.priority > Priority.P0:  # interactive work is never throttled locally

@@ -163,9 +163,14 @@ async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, m
 
 
 async def read_offsets_many(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer,
-                            models: list[str]) -> dict[str, Offsets]:
+                            models: list[str], floor: dict[TopicPartition, int] | None = None) -> dict[str, Offsets]:
     """Offsets by priority of each model that has request topics: one metadata request and one
-    ListOffsets for all of them, then each group's committed offsets (a request per group)."""
+    ListOffsets for all of them, then each group's committed offsets (a request per group).
+
+    ``floor``, kept by a caller that reads again and again: the committed offset each partition was
+    last read at. A group's committed offsets only move forward, so a partition the broker answers
+    without one (its group coordinator moving, a broker down) counts as where it was, not as nothing
+    committed (its whole log as lag, a queue of tens of thousands that is not there)."""
     described = await admin.describe_topics([t for model in models for t in request_topics(model)])
     parts = [TopicPartition(t["topic"], p["partition"]) for t in described if t["error_code"] == 0
              for p in t["partitions"]]
@@ -183,6 +188,9 @@ async def read_offsets_many(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsum
     for model, mine in by_model.items():
         committed = await admin.list_consumer_group_offsets(consumer_group(model), partitions=mine)
         done = {tp: max(0, committed[tp].offset) if tp in committed else 0 for tp in mine}
+        if floor is not None:
+            for tp in mine:  # never past the log's end: a topic deleted and created again starts over
+                done[tp] = floor[tp] = min(max(done[tp], floor.get(tp, 0)), ends[tp])
         lag, end = [0, 0, 0], [0, 0, 0]
         for tp in mine:
             p = int(parse_request_topic(tp.topic)[1])

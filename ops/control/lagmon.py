@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge
@@ -93,6 +93,7 @@ class LagMonitor:
     estimators: dict[str, HealthEstimator] = field(default_factory=dict)  # by model
     _changes: list[LevelChange] = field(default_factory=list)  # not yet recorded in Redis
     _cold_since: dict[str, float] = field(default_factory=dict)  # cold models with records waiting, since
+    _committed: dict[TopicPartition, int] = field(default_factory=dict)  # each partition's last committed offset
     _left_out: int = 0  # models beyond MAX_MODELS at the last poll (logged when it changes)
 
     async def _telemetry(self, redis: aioredis.Redis | None, model: str) -> ModelStats | None:
@@ -189,7 +190,7 @@ class LagMonitor:
         loading = loading_models(reports, now_ms())
         states = []
         measured = now_ms()  # before the offsets: producers count their sends from here
-        read = await read_offsets_many(admin, consumer, models)
+        read = await read_offsets_many(admin, consumer, models, self._committed)
         for model in models:
             offsets = read.get(model)
             if offsets is None:

@@ -154,3 +154,13 @@ def test_sends_are_counted_within_the_extrapolation_window_only() -> None:
     calm = HealthState("m", Level.OK, 20.0, 0, 5, 200.0, 200.0, 10_000, capacity_rps=480.0)
     held = [expected_wait_ms(calm, Priority.P1, window, now, own_rps=200.0) for now in (12_000, 15_000, 19_000)]
     assert held[0] == held[1] == held[2] < 1_000.0  # the same wait all along: nothing refused for it
+
+
+def test_answers_this_producer_sees_are_a_floor_under_the_drain_rate() -> None:
+    """A state whose capacity was measured while its monitor's view was stale (2/s against 200/s of this
+    producer's traffic) does not turn this producer's own sends into a queue: they are being answered."""
+    stale = HealthState("m", Level.OK, 0.0, 0, 6, 6.0, 6.0, 10_000, capacity_rps=2.0)
+    blind = expected_wait_ms(stale, Priority.P1, 200, 11_000, own_rps=200.0)
+    seen = expected_wait_ms(stale, Priority.P1, 200, 11_000, own_rps=200.0, answered_rps=200.0)
+    assert blind > 10_000.0 and seen < 50.0
+    assert expected_wait_ms(stale, Priority.P1, 200, 11_000, answered_rps=5_000.0) == pytest.approx(0.0)
