@@ -155,6 +155,7 @@ class Offsets:
     log_end: tuple[int, int, int]  # records ever written, per priority
     committed_total: int  # records done, all priorities
     partitions: int = 0  # of each request topic (the fewest, should they differ)
+    by_partition: dict[TopicPartition, tuple[int, int]] = field(default_factory=dict)  # (log end, committed)
 
 
 async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, model: str) -> Offsets | None:
@@ -197,7 +198,7 @@ async def read_offsets_many(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsum
             lag[p] += max(0, ends[tp] - done[tp])
             end[p] += ends[tp]
         out[model] = Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()),
-                             min(counts[model]))
+                             min(counts[model]), {tp: (ends[tp], done[tp]) for tp in mine})
     return out
 
 

@@ -13,10 +13,14 @@ stayed below ``exit_ratio`` of that threshold for ``min_dwell_s`` — a blip cha
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kinfer.topics.health import HealthState, Level
 from kinfer.topics.record import MAX_COUNT, MAX_DURATION_MS, MAX_RATE_RPS
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,3 +218,37 @@ def clamp_rps(value: float) -> float:
 
 def _count(value: int) -> int:
     return min(MAX_COUNT, max(0, value))
+
+
+class PartitionProgress(Generic[K]):
+    """Which partitions of a model stopped moving while the others go on (pure; ``now`` passed in).
+
+    A partition whose committed offset has not moved for ``after_s`` while records wait on it, when
+    another partition of the same model did move meanwhile, is stuck on something of its own: its
+    owner paused or dead, its leader gone. Its records are not a queue a new request joins (kinfer's
+    client steers new requests away from a partition that stopped answering), so the wait new requests
+    can expect leaves them out; when every partition with records waiting has stopped, nothing is
+    left out (the model itself is stuck, and the usual stall rules apply).
+    """
+
+    def __init__(self, after_s: float = 1.0) -> None:
+        self.after_s = after_s
+        self._moved: dict[K, tuple[int, float]] = {}  # committed offset, and when it last changed
+
+    def stuck_lag(self, by_partition: Mapping[K, tuple[int, int]], now: float) -> int:
+        """Records waiting on stuck partitions, of ``by_partition`` (log end, committed) read at ``now``."""
+        stuck, moving = 0, False
+        for tp, (end, done) in by_partition.items():
+            last = self._moved.get(tp)
+            if last is None or done != last[0]:
+                self._moved[tp] = (done, now)
+                last = self._moved[tp]
+            if end <= done:
+                continue
+            if now - last[1] >= self.after_s:
+                stuck += end - done
+            else:
+                moving = True
+        for tp in [tp for tp in self._moved if tp not in by_partition]:
+            del self._moved[tp]
+        return stuck if moving else 0

@@ -32,7 +32,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
-from kinfer.ops.control.estimator import HealthEstimator, HealthPolicy, clamp_ms
+from kinfer.ops.control.estimator import HealthEstimator, HealthPolicy, PartitionProgress, clamp_ms
 from kinfer.topics import now_ms
 from kinfer.topics.admin import TopicSpec, ensure_topics, group_members, offset_clients, read_offsets_many
 from kinfer.topics.connect import kafka_options
@@ -94,6 +94,7 @@ class LagMonitor:
     _changes: list[LevelChange] = field(default_factory=list)  # not yet recorded in Redis
     _cold_since: dict[str, float] = field(default_factory=dict)  # cold models with records waiting, since
     _committed: dict[TopicPartition, int] = field(default_factory=dict)  # each partition's last committed offset
+    _progress: dict[str, PartitionProgress[TopicPartition]] = field(default_factory=dict)  # by model
     _left_out: int = 0  # models beyond MAX_MODELS at the last poll (logged when it changes)
 
     async def _telemetry(self, redis: aioredis.Redis | None, model: str) -> ModelStats | None:
@@ -175,7 +176,8 @@ class LagMonitor:
             models = sorted(models)[:MAX_MODELS]
         keep = set(models)
         for model in [m for m in self.estimators if m not in keep]:
-            for table in (self.estimators, self.states, self.stats, self.partitions, self._cold_since):
+            for table in (self.estimators, self.states, self.stats, self.partitions, self._cold_since,
+                          self._progress):
                 table.pop(model, None)
             _unexport(model)
         return models
@@ -195,7 +197,10 @@ class LagMonitor:
             offsets = read.get(model)
             if offsets is None:
                 continue
-            lag = sum(offsets.lag)
+            # Records on partitions stuck on their own (owner or leader gone) are not a queue new requests join.
+            stuck = self._progress.setdefault(model, PartitionProgress()).stuck_lag(offsets.by_partition,
+                                                                                 time.monotonic())
+            lag = sum(offsets.lag) - stuck
             stats = await self._telemetry(redis, model)
             estimator = self.estimators.setdefault(model, HealthEstimator(self.policy))
             fresh = stats is not None and -MAX_SKEW_MS <= now_ms() - stats.updated_ms < STATS_FRESH_MS

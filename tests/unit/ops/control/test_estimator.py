@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kinfer.ops.control.estimator import HealthEstimator, HealthPolicy
+from kinfer.ops.control.estimator import HealthEstimator, HealthPolicy, PartitionProgress
 from kinfer.topics import MalformedRecord
 from kinfer.topics.health import HealthState, Level
 
@@ -220,3 +220,19 @@ def test_the_lag_monitor_exports_what_admission_sees() -> None:
     assert seen == {"kinfer_lag_records": 7, "kinfer_health_level": int(Level.SHEDDING),
                     "kinfer_predicted_wait_seconds": 0.25, "kinfer_arrival_rps": 3.0, "kinfer_drain_rps": 2.0,
                     "kinfer_capacity_rps": 4.0, "kinfer_warm_replicas": 0, "kinfer_cold_start_seconds": 1.5}
+
+
+def test_a_partition_stuck_on_its_own_is_left_out_of_the_queue_and_a_stuck_model_is_not() -> None:
+    progress: PartitionProgress[str] = PartitionProgress(after_s=1.0)
+    assert progress.stuck_lag({"a": (100, 90), "b": (100, 95)}, 0.0) == 0
+    assert progress.stuck_lag({"a": (150, 90), "b": (140, 130)}, 0.6) == 0  # a: not yet a second
+    assert progress.stuck_lag({"a": (200, 90), "b": (190, 185)}, 1.2) == 110  # a stuck, b moves
+    assert progress.stuck_lag({"a": (210, 90), "b": (200, 185)}, 2.5) == 0  # b stopped too: the model is stuck
+    assert progress.stuck_lag({"a": (260, 250), "b": (260, 185)}, 2.6) == 75  # a moved again; b stuck alone
+    assert progress.stuck_lag({"a": (260, 260)}, 2.7) == 0  # b's topic gone: forgotten
+
+
+def test_an_idle_partition_is_never_stuck() -> None:
+    progress: PartitionProgress[str] = PartitionProgress(after_s=1.0)
+    for t in range(10):
+        assert progress.stuck_lag({"idle": (50, 50), "busy": (100 + 10 * t, 95 + 10 * t)}, float(t)) == 0
