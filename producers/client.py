@@ -251,9 +251,12 @@ class Client:
 
     @property
     def hedges(self) -> dict[str, float]:
-        """Requests sent, hedges sent and refused for want of budget, and hedges per request sent."""
+        """Requests sent, hedges sent, refused for want of budget, and not sent because every other partition
+        had stopped answering too (a stall of the whole topic: a broker everyone waits on), and hedges per
+        request sent."""
         h = self._hedger
-        return {"sent": h.sent, "hedged": h.budget.spent, "unpaid": h.budget.refused, "fraction": h.fraction}
+        return {"sent": h.sent, "hedged": h.budget.spent, "unpaid": h.budget.refused, "nowhere": h.nowhere,
+                "fraction": h.fraction}
 
     @property
     def late_replies(self) -> int:
@@ -450,13 +453,13 @@ class Client:
 
     async def _exchange(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
                         waiter: asyncio.Future[Result]) -> Result:
-        """Publish the request and wait for its result, hedging it once (``producers.hedging``).
+        """Publish the request and wait for its result, hedging it (``producers.hedging``).
 
         The request goes to a partition the board trusts. Unanswered at the model's recent p99, it is
-        published again (same id, same bytes) to another partition, paid from the hedge budget, and its
-        first partition becomes suspect unless it answered something meanwhile. The first result wins;
-        the other copy's is dropped by id. A copy the broker refuses fails the call only when no copy
-        was taken.
+        published again (same id, same bytes) to another trusted partition, paid from the hedge budget,
+        and the partition it waited on becomes suspect unless it answered something meanwhile; so again,
+        up to ``HedgePolicy.max_hedges`` copies. The first result wins; the others are dropped by id. A
+        copy the broker refuses fails the call only when no copy was taken.
         """
         hedger = self._hedger
         partitions = self._partitions(topic)
@@ -465,11 +468,13 @@ class Client:
         sends = {self._spawn_send(topic, data, request, headers, first)}
         hedger.sent_one()
         delay = hedger.delay_s(request.model) if partitions and len(partitions) > 1 else None
-        hedged, accepted = False, False
+        copies = [(first, sent_at)]  # where each copy went, and when
+        hedge_at = None if delay is None else sent_at + delay
+        accepted = False
         refusals: list[BaseException] = []
         try:
             while not waiter.done():
-                timeout = None if delay is None or hedged else max(0.0, sent_at + delay - time.monotonic())
+                timeout = None if hedge_at is None else max(0.0, hedge_at - time.monotonic())
                 waiting: set[asyncio.Future[Any]] = {waiter, *sends}
                 done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 for task in [t for t in sends if t in done]:
@@ -478,17 +483,10 @@ class Client:
                         accepted = True
                     else:
                         refusals.append(error)
-                if not done and not hedged:  # unanswered at the hedge delay
-                    hedged = True
-                    now = time.monotonic()
-                    assert first is not None and partitions
-                    hedger.board.hedged(topic, first, sent_at, now)
-                    if hedger.budget.spend():
-                        metrics.HEDGES.labels(request.model).inc()
-                        second = hedger.board.pick(topic, partitions, now, avoid=(first,))
-                        sends.add(self._spawn_send(topic, data, request, headers, second))
-                    else:
-                        metrics.HEDGES_UNPAID.labels(request.model).inc()
+                if not done:  # unanswered at the hedge delay: its last copy's partition is suspect
+                    assert delay is not None and partitions
+                    hedge_at = self._hedge(topic, data, request, headers, partitions, copies, sends)
+                    hedge_at = None if hedge_at is None else hedge_at + delay
                 if refusals and not sends and not accepted and not waiter.done():
                     raise refusals[0]  # no copy reached the broker: its refusal is the answer
             try:
@@ -504,11 +502,35 @@ class Client:
             for task in sends:
                 task.cancel()
         now = time.monotonic()
-        if first is not None and not hedged:
+        if first is not None and len(copies) == 1:
             hedger.board.answered(topic, first, now)
         if result.status is Status.OK:
             hedger.observe(request.model, now - sent_at)
         return result
+
+    def _hedge(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
+               partitions: list[int], copies: list[tuple[int | None, float]],
+               sends: set[asyncio.Task[None]]) -> float | None:
+        """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
+        one more copy where it can help and the budget pays. Returns when that copy was sent (None:
+        no more hedging for this request)."""
+        hedger, now = self._hedger, time.monotonic()
+        last, last_at = copies[-1]
+        assert last is not None
+        hedger.board.hedged(topic, last, last_at, now)
+        if len(copies) > hedger.policy.max_hedges:
+            return None
+        target = hedger.board.pick(topic, partitions, now, avoid=[p for p, _ in copies if p is not None])
+        if hedger.board.suspect(topic, target) or any(p == target for p, _ in copies):
+            hedger.nowhere += 1  # every other partition has stopped too: a copy would wait as well
+            return None
+        if not hedger.budget.spend():
+            metrics.HEDGES_UNPAID.labels(request.model).inc()
+            return None
+        metrics.HEDGES.labels(request.model).inc()
+        sends.add(self._spawn_send(topic, data, request, headers, target))
+        copies.append((target, now))
+        return now
 
     def _spawn_send(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
                     partition: int | None) -> asyncio.Task[None]:

@@ -7,10 +7,13 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
 
 - **Hedging** ("The Tail at Scale", Dean and Barroso): a request still unanswered at the model's
   recent p99 (``LatencyWindow``; at most four times its median, so the slow answers of a fault do
-  not push the hedge past the deadline) is published once more, with the same id and bytes, to another
-  partition. The first answer wins; the other copy's answer is a duplicate the client drops by id
-  (workers are idempotent by id already). Hedges are paid from a ``HedgeBudget`` that earns a
-  fraction of a hedge for every request sent, so the extra work stays bounded (2 % by default).
+  not push the hedge past the deadline) is published once more, with the same id and bytes, to
+  another partition; should that copy wait as long too, once more again (``max_hedges``). The first
+  answer wins; the others are duplicates the client drops by id (workers are idempotent by id
+  already). Hedges are paid from a ``HedgeBudget`` that earns a fraction of a hedge for every
+  request sent, so the extra work stays bounded (2 % by default). No hedge goes to a suspect
+  partition: when every other one has stopped too (the whole topic waits on a broker), a hedge would
+  only wait as well, and the budget is kept for when it can help.
 - **Avoidance** (``PartitionBoard``): a partition whose request had to be hedged, and that has
   answered nothing since that request was sent, is *suspect*: new requests go to the others. A
   suspect partition gets one probe request every ``probe_s``; an answer it gives clears it.
@@ -41,6 +44,7 @@ class HedgePolicy:
     quantile: float = 0.99
     min_delay_ms: float = 20.0  # never sooner (a hedge before the batch window closes is waste)
     median_cap: float = 4.0  # and never later than this many times the recent median
+    max_hedges: int = 2  # copies after the first, each a hedge delay after the last, each to a trusted partition
     min_samples: int = 32  # no hedging for a model until this many answers were timed
     window: int = 512  # recent answers a model's quantile is taken over
     probe_s: float = 1.0  # a suspect partition gets one request this often, to see whether it is back
@@ -50,8 +54,8 @@ class HedgePolicy:
             raise ValueError(f"budget must be within [0, 1], got {self.budget}")
         if not 0.0 < self.quantile < 1.0:
             raise ValueError(f"quantile must be within (0, 1), got {self.quantile}")
-        if self.burst < 1.0 or self.min_samples < 1 or self.window < self.min_samples:
-            raise ValueError("need burst >= 1 and 1 <= min_samples <= window")
+        if self.burst < 1.0 or self.min_samples < 1 or self.window < self.min_samples or self.max_hedges < 1:
+            raise ValueError("need burst >= 1, max_hedges >= 1 and 1 <= min_samples <= window")
         if not (math.isfinite(self.min_delay_ms) and self.min_delay_ms >= 0 and math.isfinite(self.probe_s)
                 and self.probe_s > 0 and math.isfinite(self.median_cap) and self.median_cap >= 1):
             raise ValueError("min_delay_ms must be >= 0, probe_s > 0 and median_cap >= 1")
@@ -182,6 +186,7 @@ class Hedger:
         self.board = PartitionBoard(policy.probe_s)
         self._latency: dict[str, LatencyWindow] = {}
         self.sent = 0  # requests sent (first copies)
+        self.nowhere = 0  # hedges not sent: every other partition was suspect too
 
     def sent_one(self) -> None:
         self.sent += 1

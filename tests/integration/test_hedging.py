@@ -61,7 +61,9 @@ async def test_a_paused_owner_costs_hedges_not_answers(
             ok, lost = await burst(hedged, topics, 40, 1_500)
         finally:
             os.kill(workers[0].proc.pid, signal.SIGCONT)
-    assert plain_lost > 0, "the paused worker owned no partition: the test proves nothing"
-    assert (ok, lost) == (40, 0)
+    assert plain_lost >= 4, "the paused worker owned no partition: the test proves nothing"
+    # At most one lost: a live partition that answers one request slowly (a busy box) is suspect for a
+    # moment too, and a request whose copies have all met suspects is not hedged further.
+    assert ok + lost == 40 and lost <= 1, (ok, lost, plain_lost)
     counts = hedged.hedges
     assert 1 <= counts["hedged"] < 20, counts  # after the first hedges its partitions are skipped
