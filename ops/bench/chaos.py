@@ -22,8 +22,8 @@ so before sending), ``expired``/``error`` (a worker answered with a refusal or a
 ``unaccepted`` (the broker did not take it by the deadline) or ``timed_out`` (taken, no answer by the
 deadline). A timed-out request that no reply ever reached, by the end of the soak, is ``lost``:
 at-least-once was broken. **availability = ok / offered.** Per fault: what it was, when,
-how many requests sent until the next fault failed, and ``recovery_s``: from the fault to the send of
-the last of them.
+how many requests sent until the next fault failed, and ``recovery_s``: from the fault to the end of
+its last bad second (over 1 % failed) before five seconds without one.
 
 ``variants`` runs the same soak (same seed, same faults) with a mechanism switched off, one after the
 other on fresh stacks: ``no-hedging`` (the client never hedges nor avoids a partition),
@@ -318,13 +318,15 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         failed = [c for c in calls if f["at_s"] <= c.sent < until and c.kind != "ok"]
         f["failed"] = len(failed)
         f["by_kind"] = _tally(f"{c.kind}:{c.why}" if c.why else c.kind for c in failed)
-        f["recovery_s"] = round(max(c.sent for c in failed) - f["at_s"], 2) if failed else 0.0
     seconds = int(config.minutes * 60.0) + 1
     timeline = {"offered": [0] * seconds, "failed": [0] * seconds}
     for c in calls:
         s = min(seconds - 1, int(c.sent))
         timeline["offered"][s] += 1
         timeline["failed"][s] += c.kind != "ok"
+    for i, f in enumerate(faults):
+        until = faults[i + 1]["at_s"] if i + 1 < len(faults) else seconds
+        f["recovery_s"] = recovery_s(timeline["failed"], timeline["offered"], f["at_s"], until)
     return {
         "kind": "chaos",
         "availability": round(counts["ok"] / offered, 6) if offered else None,
@@ -347,6 +349,26 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
                    "max_batch": config.max_batch, "seed": config.seed, "hedging": config.hedging,
                    "failover": config.failover, "static": config.static},
     }
+
+
+QUIET_S = 5  # seconds without a failed request that end a fault's effect
+
+
+def recovery_s(failed: list[int], offered: list[int], at_s: float, until_s: float, quiet_s: int = QUIET_S) -> int:
+    """Seconds from a fault to the end of its last bad second (over 1 % of that second's requests failed,
+    and more than one) before the first ``quiet_s`` seconds without one, counted from its first bad
+    second (a fault may take a while to bite: a paused worker's partitions move after the session
+    timeout); per-second counts ``failed`` of ``offered``, the fault's window ends at ``until_s``."""
+    start, end = int(at_s), min(len(failed), int(until_s))
+    last, quiet = None, 0
+    for second in range(start, end):
+        if failed[second] > max(1.0, 0.01 * offered[second]):
+            last, quiet = second + 1, 0
+        elif last is not None:
+            quiet += 1
+            if quiet >= quiet_s:
+                break
+    return 0 if last is None else last - start
 
 
 def _tally(items: Iterable[str]) -> dict[str, int]:
