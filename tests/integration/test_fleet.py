@@ -1,4 +1,6 @@
-"""The fleet simulator against the real thing: same rate, same service time, same answer within noise."""
+"""The fleet as a whole: the simulator against a real run (same rate, same service time, same answer within
+noise), and a short chaos soak (``kinfer bench chaos``) asserted by counts. One file, so that they run one after
+the other: the soak's three brokers and five processes would be the other's noise."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kinfer.ops.bench.chaos import KINDS, ChaosConfig, bench_chaos
 from kinfer.ops.bench.load import open_loop
 from kinfer.ops.capacity.simulate import SimConfig, SimModel, Simulation
 from kinfer.ops.localstack.procs import wait_until_served
@@ -51,3 +54,19 @@ async def test_the_simulator_agrees_with_a_short_real_run(
           f"reply {reply:.1f} ms; real {real}; simulated {predicted}")
     for q in ("p50_ms", "p95_ms"):
         assert abs(real[q] - predicted[q]) <= max(10.0, 0.3 * predicted[q]), (q, real, predicted)
+
+
+@pytest.mark.slow
+def test_three_faults_lose_nothing() -> None:
+    """Three faults under steady traffic on a three-broker fleet: nothing lost, nothing answered twice,
+    what was killed restarted, every request accounted for. Availability here is a smoke bound: the soak
+    shares two cores with the rest of the suite; the 20-minute figure is the benchmark's."""
+    faults = ("worker_sigkill", "redis_sigkill", "worker_sigstop")
+    config = ChaosConfig(minutes=1.25, rate=60.0, every_s=(20.0, 22.0), warmup_s=15.0, drain_s=5.0, faults=faults)
+    report = bench_chaos(config)
+    assert {f["kind"] for f in report["faults"]} == set(faults)
+    assert sum(report[k] for k in KINDS) == report["offered"] > 3_000
+    assert report["lost"] == 0 and report["duplicates_delivered"] == 0, report["lost_ids"]
+    killed = next(f["target"] for f in report["faults"] if f["kind"] == "worker_sigkill")
+    assert report["restarts"][killed] >= 1
+    assert report["ok"] >= 0.8 * report["offered"], {k: report[k] for k in (*KINDS, "why")}
