@@ -40,7 +40,8 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from subprocess import Popen
@@ -317,7 +318,7 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         until = faults[i + 1]["at_s"] if i + 1 < len(faults) else math.inf
         failed = [c for c in calls if f["at_s"] <= c.sent < until and c.kind != "ok"]
         f["failed"] = len(failed)
-        f["by_kind"] = _tally(f"{c.kind}:{c.why}" if c.why else c.kind for c in failed)
+        f["by_kind"] = dict(Counter(f"{c.kind}:{c.why}" if c.why else c.kind for c in failed).most_common())
     seconds = int(config.minutes * 60.0) + 1
     timeline = {"offered": [0] * seconds, "failed": [0] * seconds}
     for c in calls:
@@ -332,7 +333,7 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         "availability": round(counts["ok"] / offered, 6) if offered else None,
         "offered": offered,
         **counts,
-        "why": _tally(f"{c.kind}:{c.why}" for c in calls if c.why),
+        "why": dict(Counter(f"{c.kind}:{c.why}" for c in calls if c.why).most_common()),
         "lost": len(lost),
         "lost_ids": lost[:20],
         "duplicates_delivered": sum(c.wrong for c in calls),
@@ -369,13 +370,6 @@ def recovery_s(failed: list[int], offered: list[int], at_s: float, until_s: floa
             if quiet >= quiet_s:
                 break
     return 0 if last is None else last - start
-
-
-def _tally(items: Iterable[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in items:
-        out[item] = out.get(item, 0) + 1
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def bench_chaos(config: ChaosConfig, variants: tuple[str, ...] = ("all",), keep: str | None = None) -> dict[str, Any]:

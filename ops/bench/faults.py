@@ -30,6 +30,7 @@ import signal
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,19 +303,12 @@ async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_
             "recovery_s": round(max(slow_done) - fault_at, 2) if slow_done else 0.0,
             "worker_exits": exits,
             "processes_died": died,  # every kinfer process it ran that ended on its own
-            "errors": _counts(c.error for c in calls if c.kind == "error"),
+            "errors": dict(Counter(c.error for c in calls if c.kind == "error")),
             **run.notes,
         }
         for proc in (*run.workers, *run.others):
             stop_process(proc)
         return report
-
-
-def _counts(items: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in items:
-        out[item] = out.get(item, 0) + 1
-    return out
 
 
 def bench_faults(rate: float = 40.0, before_s: float = 3.0, after_s: float = 15.0, deadline_ms: int = 30_000,

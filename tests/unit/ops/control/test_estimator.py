@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kinfer.ops.control.estimator import HealthEstimator, HealthPolicy, PartitionProgress
 from kinfer.topics import MalformedRecord
@@ -236,3 +238,16 @@ def test_an_idle_partition_is_never_stuck() -> None:
     progress: PartitionProgress[str] = PartitionProgress(after_s=1.0)
     for t in range(10):
         assert progress.stuck_lag({"idle": (50, 50), "busy": (100 + 10 * t, 95 + 10 * t)}, float(t)) == 0
+
+
+@given(st.lists(st.dictionaries(st.sampled_from("abcd"), st.tuples(st.integers(0, 2**62), st.integers(0, 2**62)),
+                                max_size=4), max_size=30),
+       st.lists(st.floats(0, 5, allow_nan=False), min_size=30, max_size=30))
+def test_stuck_lag_is_never_more_than_what_waits_whatever_the_offsets(
+        reads: list[dict[str, tuple[int, int]]], gaps: list[float]) -> None:
+    progress: PartitionProgress[str] = PartitionProgress(after_s=1.0)
+    now = 0.0
+    for read, gap in zip(reads, gaps, strict=False):
+        now += gap
+        stuck = progress.stuck_lag(read, now)
+        assert 0 <= stuck <= sum(max(0, end - done) for end, done in read.values())
