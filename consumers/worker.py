@@ -22,6 +22,8 @@ which awaits while changing shared state, so no locks:
         publish tasks           replies out (one Redis pipeline per batch), then their offsets are done
         commit loop             commits, at most every ``commit_interval_ms``, the highest offsets
                                 whose replies are out
+        answered loop           the same positions, committed or not, to ``kinfer:answered:<model>``
+                                (``consumers.progress``): the lag monitor's view while commits stall
         cancel loop             streams whose client went away
 
 At-least-once: an offset is committed only after the reply for it (and for everything before it
@@ -57,6 +59,7 @@ from kinfer.consumers.feed import Feed, Signals
 from kinfer.consumers.membership import Membership
 from kinfer.consumers.observer import Observers
 from kinfer.consumers.poison import CarefulToken, DeliveryGuard
+from kinfer.consumers.progress import AnsweredReporter
 from kinfer.consumers.replies import Delivery, ReplySink, reply_redis
 from kinfer.consumers.runners import Runner, build_runner
 from kinfer.consumers.runners.base import default_executors, pick_device, set_threads
@@ -76,6 +79,7 @@ log = logging.getLogger(__name__)
 # How long past a request's deadline a worker keeps retrying to publish its reply. After that the
 # caller has already given up with DeadlineExceeded, which is its terminal state.
 PUBLISH_GRACE_MS = 5_000
+COMMIT_RETRY_S = 0.5  # a failed commit is tried again this soon, new replies or not
 
 
 class Worker:
@@ -110,6 +114,7 @@ class Worker:
                                       spawn=self._spawn, spawn_tracked=self._spawn_tracked, commit=self._commit,
                                       computing=lambda: bool(self._computing))
         self._swapper = Swapper(settings, self.feeds, self._signals, self.observer, self._membership)
+        self._answered = AnsweredReporter(settings.worker_id, self.feeds)
 
     @property
     def residency(self) -> Residency | None:
@@ -155,6 +160,8 @@ class Worker:
                 tg.create_task(self.stats.run(producer, drained))
                 # Side readers: one that fails for an unforeseen reason restarts with backoff, the worker serves on.
                 tg.create_task(Supervised("worker-report", functools.partial(self._swapper.report_loop, redis))
+                               .run(drained))
+                tg.create_task(Supervised("worker-answered", functools.partial(self._answered.run, redis, drained))
                                .run(drained))
                 if any(feed.core.cancellable for feed in self.feeds.values()):
                     tg.create_task(Supervised("worker-cancel", functools.partial(self._cancel_loop, redis))
@@ -338,10 +345,12 @@ class Worker:
             for tp, pos in positions.items():
                 feed.guard.committed(tp, pos)
         except (CommitFailedError, KafkaError) as exc:
-            # A rebalance took the partitions away; their new owner re-answers from the last commit.
+            # A rebalance took the partitions away (their new owner re-answers from the last commit), or
+            # the group's coordinator is moving. Either way, try again soon: with no reply to come, an idle
+            # model's answered records would otherwise stay uncommitted (lag, and answered again after a
+            # restart) until its next request.
             log.warning("%s: commit of %s failed: %s", feed.name, positions, exc)
-            if feed.guard.awaiting_commit():  # a careful record waits for this commit: try again soon
-                asyncio.get_running_loop().call_later(0.5, self._signals.commit.set)
+            asyncio.get_running_loop().call_later(COMMIT_RETRY_S, self._signals.commit.set)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         assert self._tg is not None

@@ -28,7 +28,8 @@ its last bad second (over 1 % failed) before five seconds without one.
 ``variants`` runs the same soak (same seed, same faults) with a mechanism switched off, one after the
 other on fresh stacks: ``no-hedging`` (the client never hedges nor avoids a partition),
 ``no-failover`` (Kafka's default broker failover timings), ``no-static`` (workers join as dynamic
-members: a restarted worker waits out its old self's session).
+members: a restarted worker waits out its old self's session), ``no-answered`` (the lag monitor counts
+queues from committed offsets alone: a commit stall reads as a stopped model).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_s
 
 FAULTS = ("worker_sigkill", "worker_sigstop", "broker_sigkill", "broker_slow", "redis_sigkill", "redis_slow",
           "lagmon_sigkill", "telemetry_sigkill")
-VARIANTS = ("all", "no-hedging", "no-failover", "no-static")
+VARIANTS = ("all", "no-hedging", "no-failover", "no-static", "no-answered")
 MODEL = "chaos"
 KINDS = ("ok", "refused", "expired", "error", "unaccepted", "timed_out")  # how a request can end
 
@@ -82,6 +83,7 @@ class ChaosConfig:
     hedging: bool = True
     failover: bool = True
     static: bool = True
+    answered: bool = True  # the lag monitor reads the workers' answered reports, not committed offsets alone
 
     def variant(self, name: str) -> ChaosConfig:
         if name == "all":
@@ -92,6 +94,8 @@ class ChaosConfig:
             return replace(self, failover=False)
         if name == "no-static":
             return replace(self, static=False)
+        if name == "no-answered":
+            return replace(self, answered=False)
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
@@ -181,7 +185,8 @@ class _Fleet:
             extra = [*args, *(["--instance-id", f"chaos-{i}"] if c.static else [])]
             self.supervisor.add(f"worker-{i}", lambda extra=extra, i=i: spawn_worker(  # type: ignore[misc]
                 self.info, MODEL, *extra, log_path=str(self.logs / f"worker-{i}.log")))
-        self.supervisor.add("lagmon", lambda: spawn(self.info, "lagmon", "--model", MODEL,
+        blind = [] if c.answered else ["--no-answered"]
+        self.supervisor.add("lagmon", lambda: spawn(self.info, "lagmon", "--model", MODEL, *blind,
                                                     log_path=str(self.logs / "lagmon.log")))
         self.supervisor.add("telemetry", lambda: spawn(self.info, "telemetry",
                                                        log_path=str(self.logs / "telemetry.log")))
@@ -348,7 +353,8 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         "config": {"minutes": config.minutes, "rate": config.rate, "deadline_ms": config.deadline_ms,
                    "workers": config.workers, "partitions": config.partitions, "compute_ms": config.compute_ms,
                    "max_batch": config.max_batch, "seed": config.seed, "hedging": config.hedging,
-                   "failover": config.failover, "static": config.static},
+                   "failover": config.failover, "static": config.static,
+                   "answered": config.answered},
     }
 
 

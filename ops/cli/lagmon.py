@@ -16,6 +16,9 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--interval-s", type=float, default=0.5)
     m.add_argument("--commit-interval-ms", type=float, default=settings_default(WorkerSettings, "commit_interval_ms"),
                    help="the workers' --commit-interval-ms: that much answered traffic is lag, not queue [%(default)s]")
+    m.add_argument("--no-answered", action="store_true",
+                   help="count queues from committed offsets alone, not also from the positions workers report "
+                        "answered (a commit stall then reads as a stopped model)")
     add_metrics_args(m)
 
 
@@ -25,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     bootstrap, redis_url = endpoints()
     monitor = LagMonitor(bootstrap, redis_url, models=args.model or None, interval_s=args.interval_s,
-                         policy=HealthPolicy(commit_interval_ms=args.commit_interval_ms))
+                         policy=HealthPolicy(commit_interval_ms=args.commit_interval_ms), answered=not args.no_answered)
     serve_metrics(args)
 
     async def main() -> None:

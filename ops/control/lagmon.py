@@ -2,18 +2,21 @@
 
 Every ``interval_s``: for each model, the log-end offsets of its request topics and the committed
 offsets of its consumer group give the lag (records waiting, per priority) and, over time, arrival
-and drain rates; ``HealthEstimator`` turns them into a level with smoothing and hysteresis, and the
+and drain rates. A partition's committed offset is raised to what its workers report answered
+(``kinfer:answered:<model>``, ``topics.progress``): commits stall while a group's coordinator moves,
+answers do not. ``HealthEstimator`` turns the lag into a level with smoothing and hysteresis, and the
 telemetry stream's summary adds the model's service time. The state goes to a Redis key
 (``kinfer:health:<model>``), a pub/sub notification (``kinfer:health``) and the compacted topic
 ``kinfer.health`` keyed by model; every level change is also kept in ``kinfer:decisions``.
 
-What it reads from Redis (the telemetry summaries, the workers' residency reports) is taken one
-record at a time: one that does not decode, or is dated ahead of this clock, is counted
-(``kinfer_malformed_records_total{reader="lagmon-stats"|"lagmon-residency"}``) and left out; a
-residency entry that is unreadable, dated ahead or long stale is removed from the hash. At most
-``MAX_MODELS`` models are tracked (states, estimators, metric labels; a model whose topics went
-is forgotten) and ``MAX_WORKERS`` residency reports read per poll. The polling loop restarts with
-backoff after any failure (``kinfer_reader_up{reader="lagmon"}`` is 0 meanwhile).
+What it reads from Redis (the telemetry summaries, the workers' residency and answered reports) is
+taken one record at a time: one that does not decode, or is dated ahead of this clock, is counted
+(``kinfer_malformed_records_total{reader="lagmon-stats"|"lagmon-residency"|"lagmon-answered"}``) and
+left out; a report that is unreadable, dated ahead or long stale is removed from its hash. At most
+``MAX_MODELS`` models are tracked (states, estimators, metric labels; a model whose topics went is
+forgotten), and ``MAX_WORKERS`` residency reports and answered reports a model are read per poll.
+The polling loop restarts with backoff after any failure (``kinfer_reader_up{reader="lagmon"}`` is 0
+meanwhile).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from kinfer.topics.health import (
     LevelChange,
     health_key,
 )
-from kinfer.topics.names import consumer_group, served_models
+from kinfer.topics.names import consumer_group, request_topic, served_models
+from kinfer.topics.progress import ANSWERED_FORGET_MS, ANSWERED_FRESH_MS, Answered, answered_key
 from kinfer.topics.readers import Supervised, read
 from kinfer.topics.record import MAX_SKEW_MS
 from kinfer.topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
@@ -96,6 +100,9 @@ class LagMonitor:
     _committed: dict[TopicPartition, int] = field(default_factory=dict)  # each partition's last committed offset
     _progress: dict[str, PartitionProgress[TopicPartition]] = field(default_factory=dict)  # by model
     _left_out: int = 0  # models beyond MAX_MODELS at the last poll (logged when it changes)
+    # Count each partition's queue from the workers' answered positions too (``kinfer:answered:<model>``),
+    # not from committed offsets alone: commits stall with a group coordinator's broker, answers do not.
+    answered: bool = True
 
     async def _telemetry(self, redis: aioredis.Redis | None, model: str) -> ModelStats | None:
         """The model's summary from the telemetry stream (None when it is not running)."""
@@ -143,6 +150,31 @@ class LagMonitor:
             with contextlib.suppress(RedisError, OSError):
                 await redis.hdel(RESIDENCY_KEY, *gone)
         return reports
+
+    async def _answered(self, redis: aioredis.Redis | None, models: list[str]) -> dict[TopicPartition, int]:
+        """The workers' freshest answered position of each partition of ``models`` (``kinfer:answered:<model>``,
+        at most ``MAX_WORKERS`` reports a model); reports that are unreadable, dated ahead or long stale
+        are removed."""
+        if redis is None or not self.answered or not models:
+            return {}
+        try:
+            async with redis.pipeline(transaction=False) as pipe:
+                for model in models:
+                    pipe.hscan(answered_key(model), 0, count=MAX_WORKERS)
+                pages = await pipe.execute()
+        except (RedisError, OSError):
+            return {}
+        out: dict[TopicPartition, int] = {}
+        now = now_ms()
+        for model, (_, page) in zip(models, pages, strict=True):
+            raw = {k: v for k, v in page.items() if isinstance(k, bytes)} if isinstance(page, dict) else {}
+            positions, gone = read_answered(raw, now, f"{self.name}-answered")
+            for (priority, partition), position in positions.items():
+                out[TopicPartition(request_topic(model, priority), partition)] = position
+            if gone:
+                with contextlib.suppress(RedisError, OSError):
+                    await redis.hdel(answered_key(model), *gone)
+        return out
 
     async def run(self, stop: asyncio.Event) -> None:
         await ensure_topics(self.bootstrap, [health_topic_spec()])
@@ -192,6 +224,10 @@ class LagMonitor:
         loading = loading_models(reports, now_ms())
         states = []
         measured = now_ms()  # before the offsets: producers count their sends from here
+        # What the workers answered is done, committed or not: it raises the floor the committed offsets
+        # are read against (never past the log's end).
+        for tp, position in (await self._answered(redis, models)).items():
+            self._committed[tp] = max(self._committed.get(tp, 0), position)
         read = await read_offsets_many(admin, consumer, models, self._committed)
         for model in models:
             offsets = read.get(model)
@@ -287,6 +323,26 @@ def read_residency(raw: Mapping[bytes, object], now: int,
         else:
             reports.append(report)
     return reports, gone
+
+
+def read_answered(raw: Mapping[bytes, object], now: int,
+                  reader: str = "lagmon-answered") -> tuple[dict[tuple[int, int], int], list[bytes]]:
+    """Of ``raw`` (field -> value of one model's ``kinfer:answered:<model>``): the highest answered
+    position per (priority, partition) among fresh reports (``ANSWERED_FRESH_MS``), and the fields to
+    remove: unreadable or dated ahead (counted), or older than ``ANSWERED_FORGET_MS``."""
+    best: dict[tuple[int, int], int] = {}
+    gone = []
+    for worker, data in raw.items():
+        report = read(Answered, data, reader, now)
+        if report is None or now - report.updated_ms > ANSWERED_FORGET_MS:
+            gone.append(worker)
+            continue
+        if now - report.updated_ms > ANSWERED_FRESH_MS:
+            continue
+        for p in report.positions:
+            key = (p.priority, p.partition)
+            best[key] = max(best.get(key, 0), p.position)
+    return best, gone
 
 
 def loading_models(reports: list[WorkerResidency], now: int) -> set[str]:

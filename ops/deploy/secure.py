@@ -45,6 +45,7 @@ from kinfer.topics.names import (
     Priority,
     request_topic,
 )
+from kinfer.topics.progress import ANSWERED_PREFIX
 from kinfer.topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY
 from kinfer.topics.stats import STATS_TOPIC
 
@@ -560,21 +561,22 @@ def redis_rules(secrets: Secrets, version: tuple[int, int] = (7, 0)) -> dict[str
     """
     base = [*_BASE, *(["+client|setinfo"] if version >= (7, 2) else [])]
     reply_any = "&kinfer:reply:*"
-    residency, demand = f"~{RESIDENCY_KEY}", f"&{DEMAND_CHANNEL}"
+    residency, answered, demand = f"~{RESIDENCY_KEY}", f"~{ANSWERED_PREFIX}*", f"&{DEMAND_CHANNEL}"
     rules: dict[str, list[str]] = {
         ADMIN: ["~*", "&*", "+@all"],
         # Replies to every client's channel; cancellations and cold models' demand notes in; the
-        # residency hash (Redis ACLs cannot confine a worker to its own field of it: workers are trusted).
-        WORKER: [*base, residency, "+hset", "+hdel", f"(+publish {reply_any})",
+        # residency and answered hashes (Redis ACLs cannot confine a worker to its own field of them:
+        # workers are trusted).
+        WORKER: [*base, residency, answered, "+hset", "+hdel", f"(+publish {reply_any})",
                  f"(+subscribe &kinfer:cancel {demand})"],
-        # Reads telemetry summaries and the residency hash (forgets dead workers' entries), writes the
-        # health state, its notification and the decisions list.
-        LAGMON: [*base, "%R~kinfer:stats:*", "~kinfer:health:*", "~kinfer:decisions", residency,
-                 "+get", "+set", "+lpush", "+ltrim", "+hgetall", "+hdel", "(+publish &kinfer:health)"],
+        # Reads telemetry summaries and the residency and answered hashes (forgets dead workers'
+        # entries), writes the health state, its notification and the decisions list.
+        LAGMON: [*base, "%R~kinfer:stats:*", "~kinfer:health:*", "~kinfer:decisions", residency, answered,
+                 "+get", "+set", "+lpush", "+ltrim", "+hscan", "+hdel", "(+publish &kinfer:health)"],
         TELEMETRY: [*base, "~kinfer:stats:*", "+set"],
-        # It runs the lag monitor's poll too: the residency hash read (cold models), not pruned.
+        # It runs the lag monitor's poll too: the residency and answered hashes read, not pruned.
         AUTOSCALER: [*base, "%R~kinfer:stats:*", "%R~kinfer:health:*", "~kinfer:autoscale:*", f"%R{residency}",
-                     "+get", "+set", "+lpush", "+ltrim", "+hgetall"],
+                     f"%R{answered}", "+get", "+set", "+lpush", "+ltrim", "+hscan"],
         # Its own reply channels and health notifications in, cancellations out, health keys read;
         # its shared per-tenant rate-limit buckets (producers.ratelimit: one Lua script, run by
         # EVALSHA, loaded by SCRIPT LOAD, whose calls Redis checks against these rules too).

@@ -1,4 +1,5 @@
-"""Lag becomes a signal and producers obey it: refused at once, not enqueued to expire."""
+"""Lag becomes a signal and producers obey it: refused at once, not enqueued to expire; a stall of
+commits alone (the workers answering) is not a queue."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from collections.abc import Callable
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from prometheus_client import REGISTRY
 
+from kinfer.consumers.runners.registry import ModelSpec
+from kinfer.consumers.worker import Worker, WorkerSettings
 from kinfer.ops.control.estimator import HealthPolicy
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.control.status import render, snapshot
@@ -18,8 +22,10 @@ from kinfer.ops.localstack.procs import wait_until_served
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import Overloaded, Priority
+from kinfer.topics.admin import offset_clients
 from kinfer.topics.health import Level
 from kinfer.topics.names import request_topic
+from kinfer.topics.progress import answered_key
 from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -104,3 +110,67 @@ async def test_a_standing_backlog_makes_producers_refuse_before_enqueueing(
                     await t
             stop.set()
             await watching
+
+
+async def test_a_commit_stall_while_workers_answer_is_not_read_as_a_stopped_model(
+    stack: StackInfo, topics: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Commits refused as they are while a group's coordinator moves (its broker died): the worker fetches,
+    answers and reports what it answered. A monitor that reads committed offsets alone sees the queue
+    grow and refuses the model; one that reads the answered reports too keeps admitting."""
+    stalled = True
+
+    async def commit(self: AIOKafkaConsumer, offsets: object = None) -> None:
+        if stalled:
+            raise KafkaError("the group coordinator is not available")
+        await real_commit(self, offsets)
+
+    real_commit = AIOKafkaConsumer.commit
+    monkeypatch.setattr(AIOKafkaConsumer, "commit", commit)
+    settings = WorkerSettings(models=(ModelSpec(topics, "noop"),), bootstrap=stack.bootstrap,
+                              redis_url=stack.redis_url, worker_id="stalled-commits")
+    worker = Worker(settings)
+    serving = asyncio.create_task(worker.run())
+    informed = LagMonitor(stack.bootstrap, stack.redis_url, models=[topics])
+    blind = LagMonitor(stack.bootstrap, stack.redis_url, models=[topics], answered=False, name="blind")
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    answered = []
+    try:
+        async with Client(stack.bootstrap, stack.redis_url, admission=False) as client, \
+                offset_clients(stack.bootstrap) as (admin, consumer):
+            await wait_until_served(client, topics)
+
+            async def traffic() -> None:
+                while True:
+                    answered.append(asyncio.create_task(client.infer(topics, ["x"], deadline_ms=30_000)))
+                    await asyncio.sleep(0.04)
+
+            sending = asyncio.create_task(traffic())
+            levels = []
+            try:
+                for _ in range(300):  # until the blind monitor refuses the model (seconds)
+                    await asyncio.sleep(0.2)
+                    levels.append((await informed.poll(admin, consumer, redis))[0].level)
+                    if (await blind.poll(admin, consumer, redis))[0].level == Level.REJECTING:
+                        break
+            finally:
+                sending.cancel()
+            assert blind.states[topics].level == Level.REJECTING and blind.states[topics].lag > 50
+            assert len(levels) > 5 and max(levels) < Level.SHEDDING, levels  # it kept admitting throughout
+            assert informed.states[topics].lag < 50, informed.states[topics]
+            results = await asyncio.gather(*answered)
+            assert all(r.ok for r in results) and len(results) > 50
+            assert await redis.hexists(answered_key(topics), "stalled-commits")
+
+            stalled = False  # the coordinator is back: commits land, and both monitors agree again
+            for _ in range(300):
+                await asyncio.sleep(0.2)
+                await informed.poll(admin, consumer, redis)
+                if (await blind.poll(admin, consumer, redis))[0].lag == 0:
+                    break
+            assert blind.states[topics].lag == 0 and informed.states[topics].lag == 0
+    finally:
+        worker.stop()
+        await asyncio.wait_for(serving, 60)
+        assert not await redis.hexists(answered_key(topics), "stalled-commits")  # a stopped worker says so
+        await redis.aclose()

@@ -50,6 +50,8 @@ from kinfer.topics.names import (
     redis_reply_channel,
     request_topic,
 )
+from kinfer.topics.progress import answered_key
+from kinfer.topics.residency import RESIDENCY_KEY
 from kinfer.topics.stats import STATS_TOPIC
 
 pytestmark = [
@@ -184,13 +186,21 @@ def test_redis_users(secure: StackInfo) -> None:
                     other.get_message(timeout=2)
             finally:
                 other.close()
+        for key in (RESIDENCY_KEY, answered_key("x")):  # the workers' reports the lag monitor trusts
+            with pytest.raises(NoPermissionError):
+                tenant.hset(key, "forged", b"report")
     with redis.Redis.from_url(secure.redis_url_for("kinfer-worker")) as worker:
         assert worker.publish(redis_reply_channel("demo", "abc"), b"reply") >= 0
         with pytest.raises(NoPermissionError):
             worker.publish(HEALTH_CHANNEL, b"forged")
+        for key in (RESIDENCY_KEY, answered_key("x")):
+            worker.hset(key, "w1", b"report")
     with redis.Redis.from_url(secure.redis_url_for("kinfer-lagmon")) as lagmon:
         assert lagmon.publish(HEALTH_CHANNEL, b"state") >= 0
         assert lagmon.set("kinfer:health:x", b"state", px=1000)
+        for key in (RESIDENCY_KEY, answered_key("x")):  # read page by page, dead workers' entries removed
+            assert lagmon.hscan(key, 0, count=10)[1] == {b"w1": b"report"}
+            assert lagmon.hdel(key, "w1") == 1
 
 
 def test_a_component_takes_its_principal_from_the_stack(secure: StackInfo) -> None:

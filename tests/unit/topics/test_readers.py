@@ -18,13 +18,21 @@ from prometheus_client import REGISTRY
 
 from kinfer.ops.control.autoscaler import AutoscaleLoop, KubernetesPool
 from kinfer.ops.control.estimator import HealthEstimator
-from kinfer.ops.control.lagmon import LagMonitor, cold_start_estimates, export_state, read_residency, read_stats
+from kinfer.ops.control.lagmon import (
+    LagMonitor,
+    cold_start_estimates,
+    export_state,
+    read_answered,
+    read_residency,
+    read_stats,
+)
 from kinfer.ops.control.telemetry import Aggregator, workers_by_model
 from kinfer.producers.admission import MAX_RETRY_AFTER_S, expected_wait_ms, health_decision
 from kinfer.producers.gateway_pipeline import error_payload
 from kinfer.producers.health import HealthWatch
 from kinfer.topics import ColdStart, Overloaded, Priority
 from kinfer.topics.health import HealthState, Level
+from kinfer.topics.progress import Answered, Position
 from kinfer.topics.readers import Supervised
 from kinfer.topics.record import MAX_DURATION_MS, MAX_SKEW_MS
 from kinfer.topics.residency import ModelResidency, WorkerResidency
@@ -268,6 +276,25 @@ def test_residency_reports_are_read_one_by_one_and_bad_ones_removed() -> None:
     assert reports == [fresh]
     assert sorted(gone) == [b"future", b"inf", b"nested", b"stale", b"tombstone"]
     assert cold_start_estimates(reports, NOW) == {"a": 900.0}  # the forged 1 ms and inf never counted
+
+
+def test_answered_reports_count_when_fresh_take_the_highest_position_and_bad_ones_are_removed() -> None:
+    before = refused("lagmon-answered", "schema"), refused("lagmon-answered", "future")
+    raw: dict[bytes, object] = {
+        b"w1": Answered("w1", NOW - 500, [Position(0, 0, 120), Position(2, 3, 7)]).pack(),
+        b"w2": Answered("w2", NOW - 100, [Position(0, 0, 90), Position(1, 1, 40)]).pack(),  # older owner's lower one
+        b"slow": Answered("w3", NOW - 5_000, [Position(0, 0, 10_000)]).pack(),  # paused: no evidence, kept
+        b"stale": Answered("w4", NOW - 700_000, [Position(0, 0, 10_000)]).pack(),
+        b"future": Answered("w5", NOW + 3_600_000, [Position(0, 0, 10_000)]).pack(),
+        b"negative": with_field(Answered("w6", NOW, []), positions=[[0, 0, -1]]),
+        b"priority": with_field(Answered("w6", NOW, []), positions=[[3, 0, 5]]),
+        b"nested": nested(20_000),
+    }
+    positions, gone = read_answered(raw, NOW)
+    assert positions == {(0, 0): 120, (2, 3): 7, (1, 1): 40}
+    assert sorted(gone) == [b"future", b"negative", b"nested", b"priority", b"stale"]
+    after = refused("lagmon-answered", "schema"), refused("lagmon-answered", "future")
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 1]
 
 
 def test_the_lag_monitor_tracks_at_most_its_models_and_forgets_their_series(monkeypatch: pytest.MonkeyPatch) -> None:

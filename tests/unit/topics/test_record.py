@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kinfer.ops.control.scaling import ScaleDecision, ScaleState
 from kinfer.topics import MalformedRecord
 from kinfer.topics.health import HealthState, Level, LevelChange
+from kinfer.topics.progress import MAX_POSITIONS, Answered, Position
 from kinfer.topics.record import MAX_DURATION_MS, MODEL_NAME_PATTERN, Record
 from kinfer.topics.residency import Demand, ModelResidency, WorkerResidency
 from kinfer.topics.stats import BatchStats, ModelStats
@@ -39,6 +40,8 @@ VALID: list[Record] = [
                requests_per_batch=3.5, steps_rps=1.0),
     ScaleState("m", "local", 3, 3, 1, 6, 210.0, 100.0, 10_000, restarts=1),
     ScaleDecision(9_000, "m", 1, 3, "up", 210.0, 100.0, 400.0, 4000.0),
+    Position(2, 17, 123_456),
+    Answered("host-1.example-42", 1_700_000_000_000, [Position(0, 0, 5), Position(2, 17, 123_456)]),
 ]
 TYPES = [type(r) for r in VALID]
 
@@ -257,6 +260,11 @@ def test_names_lengths_and_tiers_are_held_to_their_patterns() -> None:
                 {"models": [{"model": "a", "tier": "disk", "swap_in_ms": {"tape": 1.0}}]},
                 {"models": [{"model": "a", "tier": "disk"}] * 257}):
         assert outcome(WorkerResidency, msgpack.packb({**base, **bad})).reason in {"schema", "size"}  # type: ignore[union-attr]
+    answered = msgspec_builtins(VALID[-1])
+    for bad in ({"positions": [[3, 0, 1]]}, {"positions": [[0, -1, 1]]}, {"positions": [[0, 0, -1]]},
+                {"positions": [[0, 0, 2**63]]}, {"positions": [[0, 0]]}, {"worker": "bad worker"},
+                {"positions": [[0, 0, 1]] * (MAX_POSITIONS + 1)}):
+        assert outcome(Answered, msgpack.packb({**answered, **bad})).reason in {"schema", "size"}  # type: ignore[union-attr]
     stats = msgspec_builtins(VALID[5])
     for bad in ({"shed": {f"r{i}": 1 for i in range(17)}}, {"shed": {"Not A Reason": 1}}, {"size": 2**31}):
         assert outcome(BatchStats, msgpack.packb({**stats, **bad})).reason == "schema"  # type: ignore[union-attr]

@@ -169,8 +169,9 @@ def test_redis_rules_per_principal() -> None:
         assert "pubsub" not in line and "~*" not in line and "&*" not in line, principal
     assert "(+publish &kinfer:reply:*)" in _user_line(text, sec.WORKER)
     assert "(+subscribe &kinfer:cancel &kinfer:demand)" in _user_line(text, sec.WORKER)
-    assert "~kinfer:residency +hset +hdel" in _user_line(text, sec.WORKER)
-    assert "+hgetall" in _user_line(text, sec.LAGMON) and "+hset" not in _user_line(text, sec.LAGMON)
+    assert "~kinfer:residency ~kinfer:answered:* +hset +hdel" in _user_line(text, sec.WORKER)
+    assert "+hscan" in _user_line(text, sec.LAGMON) and "+hset" not in _user_line(text, sec.LAGMON)
+    assert "%R~kinfer:answered:*" in _user_line(text, sec.AUTOSCALER) and "+hscan" in _user_line(text, sec.AUTOSCALER)
     assert "(+subscribe &kinfer:reply:gateway:* &kinfer:health)" in _user_line(text, sec.GATEWAY)
     assert "~kinfer:stats:*" in _user_line(text, sec.TELEMETRY)
     assert "~kinfer:autoscale:*" in _user_line(text, sec.AUTOSCALER)
