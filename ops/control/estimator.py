@@ -7,7 +7,9 @@ the start held more than they drained), smoothed faster and kept while no queue 
 rate measured below saturation is only the arrival rate. The predicted wait of a new request is
 ``lag / capacity`` (Little's law; ``lag / drain rate`` until a busy interval has been seen).
 The level rises as soon as the *smoothed* wait crosses a threshold, and falls only once it has
-stayed below ``exit_ratio`` of that threshold for ``min_dwell_s`` — a blip changes nothing.
+stayed below ``exit_ratio`` of that threshold for ``min_dwell_s`` — a blip changes nothing. An
+observation after a gap (polls that failed or hung: a broker paused or gone) only re-anchors: the
+queue a fault left behind is judged one poll later, by whether it stands or drains.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ class HealthPolicy:
     # The workers commit every this often (their --commit-interval-ms): up to that much answered
     # traffic still counts as lag between two commits, and is not a queue.
     commit_interval_ms: float = 100.0
+    # An observation more than this many usual poll intervals (and at least ``min_gap_s``) after the
+    # one before follows a spell the monitor could not see (a broker it reads paused or gone, a
+    # restart): a record of where things are, not a slope. It starts the rates again and leaves the
+    # level alone; the next poll, one interval on, says whether a queue stands or is draining.
+    gap_polls: float = 4.0
+    min_gap_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.degraded_wait_ms < self.shedding_wait_ms < self.rejecting_wait_ms:
@@ -69,6 +77,8 @@ class HealthEstimator:
         self._stalled_since: float | None = None  # waiting records and nothing drained since then
         self._last_arrival = (0, 0.0)  # records written in the last poll interval, and their rate
         self._now = 0.0
+        self._interval_s = 0.0  # the usual time between two observations (smoothed; 0: not known yet)
+        self.gaps = 0  # observations that followed a spell the monitor could not see
 
     def observe(
         self, now: float, lag: int, log_end_total: int, committed_total: int,
@@ -91,7 +101,11 @@ class HealthEstimator:
         self._capacity_known = capacity_rps is not None and capacity_rps > 0
         if capacity_rps is not None and capacity_rps > 0:
             self.capacity_rps = capacity_rps
-        if self._last is not None and now > self._last[0]:
+        if self._last is not None and now > self._last[0] and self._gap(now - self._last[0]):
+            self.gaps += 1
+            self._stalled_since = None  # waiting since before the gap is not known: counted again from here
+            self._now = now
+        elif self._last is not None and now > self._last[0]:
             dt = now - self._last[0]
             alpha = 1.0 - math.exp(-dt / self.policy.smoothing_s)
             arrived = max(0, log_end_total - self._last[1])
@@ -122,6 +136,14 @@ class HealthEstimator:
         self._ends_by_priority = log_end_by_priority
         self._update_level(now)
         return self.level
+
+    def _gap(self, dt: float) -> bool:
+        """Whether ``dt`` since the last observation is a gap (``gap_polls`` usual intervals, at least
+        ``min_gap_s``). The usual interval follows every observation, gaps included, so a monitor that
+        polls slower for good is soon not seeing gaps any more."""
+        usual = self._interval_s
+        self._interval_s = dt if usual <= 0 else usual + 0.2 * (dt - usual)
+        return usual > 0 and dt > max(self.policy.min_gap_s, self.policy.gap_polls * usual)
 
     def _observe_capacity(self, sample: float, dt: float) -> None:
         if self.capacity_rps <= 0:

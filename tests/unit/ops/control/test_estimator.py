@@ -251,3 +251,33 @@ def test_stuck_lag_is_never_more_than_what_waits_whatever_the_offsets(
         now += gap
         stuck = progress.stuck_lag(read, now)
         assert 0 <= stuck <= sum(max(0, end - done) for end, done in read.values())
+
+
+def test_the_queue_a_blind_spell_left_is_judged_by_whether_it_drains_not_by_one_reading() -> None:
+    """Polls hung for 6 s (a broker paused): the first reading after it shows the records producers held
+    meanwhile. Draining at once, they never raise the level; standing, they do, one poll later."""
+    for drains, expected in ((True, Level.OK), (False, Level.REJECTING)):
+        h = HealthEstimator(HealthPolicy(commit_interval_ms=0))
+        totals = [0, 0]
+        feed(h, 0, 5, lag=0, arrive=200, drain=200, totals=totals)
+        totals[0] += 1200 + 400  # 6 s of arrivals, 400 of them still waiting
+        totals[1] += 1200
+        assert h.observe(11.0, 400, totals[0], totals[1]) == Level.OK and h.gaps == 1
+        if drains:
+            levels = feed(h, 11, 3, lag=0, arrive=200, drain=200, totals=totals)
+        else:  # nothing moves: a stall, told one poll on
+            levels = feed(h, 11, 3, lag=400, arrive=0, drain=0, totals=totals)
+        assert max(levels) == expected, levels
+    assert h.gaps == 1  # polls at the usual pace are never gaps
+
+
+def test_a_monitor_that_polls_slower_for_good_soon_sees_no_gaps() -> None:
+    h = HealthEstimator()
+    t = 0.0
+    for _ in range(20):
+        t += 0.5
+        h.observe(t, 0, 0, 0)
+    for _ in range(20):  # every 5 s from now on
+        t += 5.0
+        h.observe(t, 0, 0, 0)
+    assert 1 <= h.gaps <= 3
