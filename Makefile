@@ -1,7 +1,8 @@
 # The two commands: `make demo` (the whole pipeline, end to end) and `make test` (every test).
 # Each one installs what it needs first, idempotently: the virtual environment and Python
-# packages, Debian's redis-server, and Kafka's jars from Maven Central. `make check` is the edit
-# loop: the unit tests without the model tests, on every core.
+# packages, Debian's redis-server, Kafka's jars from Maven Central, and Debian's Prometheus
+# (unpacked, not installed: promtool tests the alert rules). `make check` is the edit loop: the
+# unit tests without the model tests, on every core.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -27,6 +28,11 @@ deps: $(VENV)/.kinfer-deps
 	@command -v java >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q default-jre-headless)
 	@command -v mvn >/dev/null 2>&1 || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q maven)
 	@$(PY) -m kinfer.ops.cli stack fetch >/dev/null
+	@# promtool (the alert rules' tests) and prometheus, from Debian's package, unpacked into the cache: no
+	@# service is installed or started.
+	@test -x $(KINFER_CACHE)/prometheus/usr/bin/promtool || (mkdir -p $(KINFER_CACHE)/prometheus && cd $(KINFER_CACHE) && \
+		(apt-get download -q prometheus 2>/dev/null || ($(SUDO) apt-get update -q && apt-get download -q prometheus)) && \
+		dpkg-deb -x prometheus_*.deb prometheus && rm -f prometheus_*.deb)
 
 demo: deps
 	$(PY) -m kinfer.ops.cli demo

@@ -158,6 +158,7 @@ class Client:
         self._answered: dict[str, SendLog] = {}  # per model: when this client's requests were answered
         self._service_ms: dict[str, float] = {}  # per model: compute time of the batches that served us
         self._admitted: dict[tuple[str, Priority], Any] = {}  # Prometheus children, resolved once
+        self._outcomes = metrics.Outcomes()  # how requests ended, and how long the answered ones took
         self._demand_at: dict[str, float] = {}  # per cold model: when we last said it was wanted
         self._hedger = Hedger(self.settings.hedging)
         self._background: set[asyncio.Task[None]] = set()
@@ -288,9 +289,21 @@ class Client:
         ``role`` (system, user, assistant) and ``content``, rendered by the worker with the model's
         own chat template; the one output answers the last turn.
         """
+        started = time.monotonic()
         request, data, topic, headers = await self._prepare(
             model, inputs, priority, deadline_ms, params, request_id, False, tenant, messages
         )
+        try:
+            result = await self._call(request, data, topic, headers)
+        except KinferError as exc:
+            self._outcomes.failed(request.model, request.priority.label, exc)
+            raise
+        self._outcomes.ok(request.model, request.priority.label, time.monotonic() - started)
+        return result
+
+    async def _call(self, request: Request, data: bytes, topic: str, headers: list[tuple[str, bytes]] | None) -> Result:
+        """Admit, publish and wait for one prepared request: its result, or the error it ended in."""
+        model = request.model
         self._admit(request)
         waiter = self._replies.expect(request.id)
         loop = asyncio.get_running_loop()

@@ -1,4 +1,5 @@
-"""Producer-side metrics: what admission decided, and the health levels it saw (Prometheus).
+"""Producer-side metrics: how callers' requests ended and how long they took (the service level
+indicators), what admission decided, and the health levels it saw (Prometheus).
 
 In-process with the client, so the gateway's ``/metrics`` serves them, and so does any service
 that embeds the library and exports the default registry.
@@ -6,7 +7,11 @@ that embeds the library and exports the default registry.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from kinfer.topics import DeadlineExceeded, InvalidRequest, KinferError, ModelError, Overloaded, Shed, Unavailable
 
 ADMITTED = Counter("kinfer_admission_admitted_total", "Requests admitted and enqueued", ["model", "priority"])
 REFUSED = Counter(
@@ -48,3 +53,64 @@ HEDGES_UNPAID = Counter(
     "Hedges wanted but not sent: the hedge budget was spent",
     ["model"],
 )
+
+# The service level as callers see it: every request made through the library (the gateway's too),
+# from the call to its result. The alert rules (ops/deploy/prometheus/rules/) are written on these.
+OUTCOMES = ("ok", "refused", "shed", "expired", "error", "unavailable", "unaccepted", "timed_out")
+REQUESTS = Counter(
+    "kinfer_client_requests_total",
+    "Requests made through this process, by how they ended: ok; refused (admission, before sending); shed or "
+    "expired (a worker said so); error (the model failed); unavailable (Kafka or Redis); unaccepted (the broker "
+    "did not take it by its deadline); timed_out (taken, no answer by its deadline). Invalid requests (the "
+    "caller's) are not counted",
+    ["model", "priority", "outcome"],
+)
+# Bounds at the service level's thresholds (150 ms for P95, 250 ms for P99), so the share of requests
+# within each is exact: what the latency alerts burn on.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+LATENCY = Histogram(
+    "kinfer_client_request_seconds",
+    "End to end as the caller sees it, from the call to its result: answered requests (ok) only",
+    ["model", "priority"],
+    buckets=LATENCY_BUCKETS,
+)
+
+
+def outcome_of(error: KinferError) -> str | None:
+    """The ``outcome`` label of a request that ended in ``error`` (None: the caller's own mistake)."""
+    if isinstance(error, InvalidRequest):
+        return None
+    if isinstance(error, Overloaded):
+        return "refused"
+    if isinstance(error, Shed):
+        return "shed"
+    if isinstance(error, DeadlineExceeded):
+        if error.answered:
+            return "expired"
+        return "timed_out" if error.accepted else "unaccepted"
+    if isinstance(error, Unavailable):
+        return "unavailable"
+    if isinstance(error, ModelError):
+        return "error"
+    return "error"
+
+
+class Outcomes:
+    """The two service-level series of one process, their children cached by (model, priority): a
+    request costs a dict lookup, a counter and a histogram bucket."""
+
+    def __init__(self) -> None:
+        self._ok: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def ok(self, model: str, priority: str, seconds: float) -> None:
+        found = self._ok.get((model, priority))
+        if found is None:
+            found = self._ok[(model, priority)] = (REQUESTS.labels(model, priority, "ok"),
+                                                    LATENCY.labels(model, priority))
+        found[0].inc()
+        found[1].observe(seconds)
+
+    def failed(self, model: str, priority: str, error: KinferError) -> None:
+        outcome = outcome_of(error)
+        if outcome is not None:
+            REQUESTS.labels(model, priority, outcome).inc()

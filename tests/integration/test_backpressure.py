@@ -101,6 +101,14 @@ async def test_a_standing_backlog_makes_producers_refuse_before_enqueueing(
                 await asyncio.sleep(0.1)
             ok = await polite.infer(topics, ["urgent, patient"], priority=Priority.P0, deadline_ms=60_000)
             assert ok.ok  # p0 with a feasible deadline is admitted, and served ahead of the backlog
+            # The service level's series (what the alert rules burn on) saw each ending.
+            def ended(priority: str, outcome: str) -> float | None:
+                labels = {"model": topics, "priority": priority, "outcome": outcome}
+                return REGISTRY.get_sample_value("kinfer_client_requests_total", labels)
+
+            assert ended("p2", "refused") == 1 and ended("p0", "refused") == 1 and ended("p0", "ok") == 1
+            p0 = {"model": topics, "priority": "p0"}
+            assert REGISTRY.get_sample_value("kinfer_client_request_seconds_count", p0) == 1
             assert sum(t.done() for t in backlog) < 100
         finally:
             for t in backlog:
