@@ -48,8 +48,9 @@ OBJECTIVES: dict[str, tuple[str, str, str, float]] = {
 
 
 def _ratio(objective: str, window: str) -> str:
-    if objective == "errors":
-        return (f'sum by (model) (rate({REQUESTS}{{outcome!="ok"}}[{window}]))\n'
+    if objective == "errors":  # 0, not nothing, for a model that never failed (its bad series do not exist)
+        return (f'(sum by (model) (rate({REQUESTS}{{outcome!="ok"}}[{window}]))\n'
+                f"or 0 * sum by (model) (rate({REQUESTS}[{window}])))\n"
                 f"/ sum by (model) (rate({REQUESTS}[{window}]))")
     le = (SLA_P95_MS if objective == "slow_p95" else SLA_P99_MS) / 1000.0
     return (f'1 - sum by (model) (rate({LATENCY}_bucket{{le="{le:g}"}}[{window}]))\n'

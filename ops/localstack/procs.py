@@ -1,14 +1,17 @@
-"""Worker processes for the demo and the benchmarks, and waiting until a model answers."""
+"""Worker processes for the demo and the benchmarks, waiting until a model answers, and where the
+local Prometheus tools are."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
@@ -64,3 +67,15 @@ async def wait_until_served(client: Client, model: str, timeout_s: float = 180.0
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)  # refused or not served yet: ask again, but do not hammer
+
+
+def prometheus_binary(name: str = "prometheus") -> str | None:
+    """Debian's ``prometheus`` or ``promtool``, as ``make deps`` unpacks it into the cache (the checkout's
+    .cache/ under make), else one on the PATH; None when there is neither."""
+    from kinfer.topics.paths import cache_dir
+
+    for cache in (cache_dir(), Path(__file__).resolve().parents[2] / ".cache"):
+        found = cache / "prometheus" / "usr" / "bin" / name
+        if found.is_file():
+            return str(found)
+    return shutil.which(name)

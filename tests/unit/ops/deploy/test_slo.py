@@ -5,7 +5,6 @@ series the code exports."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import yaml
 
 from kinfer.ops.deploy.slo import render
-from kinfer.topics.paths import cache_dir
+from kinfer.ops.localstack.procs import prometheus_binary
 from tests.unit.ops.deploy.test_manifests import defined_metrics
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -22,16 +21,10 @@ TESTS = ROOT / "tests" / "prometheus" / "kinfer_test.yml"
 
 
 def promtool() -> str:
-    """Debian's promtool, unpacked into the cache by ``make deps`` (the checkout's .cache/ under make), or
-    one on the PATH."""
-    for cache in (cache_dir(), ROOT / ".cache"):
-        found = cache / "prometheus" / "usr" / "bin" / "promtool"
-        if found.is_file():
-            return str(found)
-    on_path = shutil.which("promtool")
-    if on_path is None:
+    found = prometheus_binary("promtool")
+    if found is None:
         pytest.fail("promtool is missing: `make deps` unpacks Debian's prometheus package into the cache")
-    return on_path
+    return found
 
 
 def run(*args: str) -> str:
