@@ -52,7 +52,7 @@ from kinfer.topics.health import (
 from kinfer.topics.names import consumer_group, request_topic, served_models
 from kinfer.topics.progress import ANSWERED_FORGET_MS, ANSWERED_FRESH_MS, Answered, answered_key
 from kinfer.topics.readers import Supervised, read
-from kinfer.topics.record import MAX_SKEW_MS
+from kinfer.topics.record import MAX_SKEW_MS, R
 from kinfer.topics.residency import RESIDENCY_FRESH_MS, RESIDENCY_KEY, WorkerResidency
 from kinfer.topics.stats import ModelStats, stats_key
 
@@ -309,39 +309,38 @@ def read_stats(data: object, now: int, reader: str = "lagmon-stats") -> ModelSta
     return read(ModelStats, data, reader, now)
 
 
-def read_residency(raw: Mapping[bytes, object], now: int,
-                   reader: str = "lagmon-residency") -> tuple[list[WorkerResidency], list[bytes]]:
-    """The residency reports in ``raw`` (field -> value of ``kinfer:residency``) that can be used, and
-    the fields to remove: unreadable (counted), dated ahead of ``now`` (counted: a report from the
-    future would never go stale), or older than ``RESIDENCY_FORGET_MS`` (a worker killed without
-    saying goodbye)."""
+def read_reports(kind: type[R], raw: Mapping[bytes, object], now: int, reader: str,
+                 forget_ms: int) -> tuple[list[R], list[bytes]]:
+    """The workers' reports in ``raw`` (field -> value of a hash of them) that can be used, and the
+    fields to remove: unreadable (counted), dated ahead of ``now`` (counted: a report from the future
+    would never go stale), or dated (``kind.dated_by``) more than ``forget_ms`` ago (a worker killed
+    without saying goodbye)."""
     reports, gone = [], []
     for worker, data in raw.items():
-        report = read(WorkerResidency, data, reader, now)
-        if report is None or now - report.updated_ms > RESIDENCY_FORGET_MS:
+        report = read(kind, data, reader, now)
+        if report is None or now - getattr(report, kind.dated_by or "") > forget_ms:
             gone.append(worker)
         else:
             reports.append(report)
     return reports, gone
 
 
+def read_residency(raw: Mapping[bytes, object], now: int,
+                   reader: str = "lagmon-residency") -> tuple[list[WorkerResidency], list[bytes]]:
+    """The residency reports in ``raw`` (``kinfer:residency``), and the fields to remove (``read_reports``)."""
+    return read_reports(WorkerResidency, raw, now, reader, RESIDENCY_FORGET_MS)
+
+
 def read_answered(raw: Mapping[bytes, object], now: int,
                   reader: str = "lagmon-answered") -> tuple[dict[tuple[int, int], int], list[bytes]]:
-    """Of ``raw`` (field -> value of one model's ``kinfer:answered:<model>``): the highest answered
-    position per (priority, partition) among fresh reports (``ANSWERED_FRESH_MS``), and the fields to
-    remove: unreadable or dated ahead (counted), or older than ``ANSWERED_FORGET_MS``."""
+    """Of ``raw`` (one model's ``kinfer:answered:<model>``): the highest answered position per (priority,
+    partition) among fresh reports (``ANSWERED_FRESH_MS``), and the fields to remove (``read_reports``)."""
+    reports, gone = read_reports(Answered, raw, now, reader, ANSWERED_FORGET_MS)
     best: dict[tuple[int, int], int] = {}
-    gone = []
-    for worker, data in raw.items():
-        report = read(Answered, data, reader, now)
-        if report is None or now - report.updated_ms > ANSWERED_FORGET_MS:
-            gone.append(worker)
-            continue
-        if now - report.updated_ms > ANSWERED_FRESH_MS:
-            continue
-        for p in report.positions:
-            key = (p.priority, p.partition)
-            best[key] = max(best.get(key, 0), p.position)
+    for report in reports:
+        if now - report.updated_ms <= ANSWERED_FRESH_MS:
+            for p in report.positions:
+                best[(p.priority, p.partition)] = max(best.get((p.priority, p.partition), 0), p.position)
     return best, gone
 
 

@@ -32,6 +32,7 @@ from kinfer.producers import Client
 from kinfer.topics import Status, now_ms
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 from kinfer.topics.health import HEALTH_CHANNEL, HealthState, Level, health_key
+from kinfer.topics.progress import Answered, Position, answered_key
 from kinfer.topics.residency import DEMAND_CHANNEL, RESIDENCY_KEY, ModelResidency, WorkerResidency
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, stats_key
 from tests.integration.conftest import delete_model_topics
@@ -48,7 +49,7 @@ def deep(depth: int) -> bytes:
     return b"\x81\xa3zzz" + b"\x91" * depth + b"\xc0"
 
 
-def forged(record: HealthState | WorkerResidency | BatchStats, **fields: object) -> bytes:
+def forged(record: HealthState | WorkerResidency | BatchStats | Answered, **fields: object) -> bytes:
     return msgpack.packb({**msgpack.unpackb(record.pack(), strict_map_key=False), **fields})
 
 
@@ -66,7 +67,7 @@ async def two_models(stack: StackInfo) -> AsyncIterator[tuple[str, str]]:
         await delete_model_topics(stack.bootstrap, name)
 
 
-async def test_hostile_health_demand_stats_and_residency_records_stop_nothing(
+async def test_hostile_health_demand_stats_residency_and_answered_records_stop_nothing(
     stack: StackInfo, two_models: tuple[str, str], client: Client
 ) -> None:
     a, b = two_models
@@ -83,6 +84,7 @@ async def test_hostile_health_demand_stats_and_residency_records_stop_nothing(
         assert (await asyncio.wait_for(client.infer(a, ["x"], deadline_ms=60_000), 90)).status == Status.OK
         await until(lambda: client.health(a) is not None, "the client sees a's state")
         watch_refused, lagmon_refused = refused("health-watch"), refused("lagmon-residency")
+        answered_refused = refused("lagmon-answered")
         valid = client.health(a)
         assert valid is not None
         now = now_ms()
@@ -103,12 +105,21 @@ async def test_hostile_health_demand_stats_and_residency_records_stop_nothing(
             "forged-future": forged(report, updated_ms=now + 3_600_000),
         })
         await redis.set(stats_key(a), deep(3_000), px=60_000)
+        # Answered reports that would raise a's floor past its log (a queue hidden), or break the reader.
+        claim = Answered("forged", now, [Position(1, 0, 10)])
+        await redis.hset(answered_key(a), mapping={
+            "forged-deep": deep(200_000), "forged-negative": forged(claim, positions=[[1, 0, -5]]),
+            "forged-nan": forged(claim, positions=[[1, math.nan, 5]]),
+            "forged-future": forged(claim, updated_ms=now + 3_600_000, positions=[[1, 0, 2**62]]),
+        })
 
         # The monitor reads, counts and removes the forged reports; nobody died.
         await until(lambda: refused("lagmon-residency") >= lagmon_refused + 3, "the monitor refused the reports")
         await until(lambda: refused("health-watch") >= watch_refused + len(health_attacks), "the watch refused all")
         assert not await redis.hexists(RESIDENCY_KEY, "forged-deep")
         assert not await redis.hexists(RESIDENCY_KEY, "forged-future")
+        await until(lambda: refused("lagmon-answered") >= answered_refused + 4, "the monitor refused the claims")
+        assert await redis.hlen(answered_key(a)) <= 1  # the forgeries removed; the worker's own report stays
         snap = await snapshot(redis)
         assert "hostile-only" not in snap.health and a in snap.health
         for task, what in ((serving, "worker"), (watching, "lag monitor")):
