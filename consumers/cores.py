@@ -56,6 +56,7 @@ class Job:
     queue_ms: float  # Kafka record timestamp → fetched
     fetched: float  # monotonic seconds
     deadline: float  # monotonic seconds: the request's wall-clock deadline on the local clock
+    trace: Any = None  # the request's trace context when it is traced (``topics.tracing.incoming``), else None
 
 
 @dataclass(frozen=True, slots=True)

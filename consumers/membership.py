@@ -37,7 +37,7 @@ from kinfer.consumers.offsets import OffsetTracker
 from kinfer.consumers.poison import CarefulToken, Verdict
 from kinfer.consumers.replies import Delivery, ReplySink
 from kinfer.consumers.settings import WorkerSettings
-from kinfer.topics import InvalidRequest, Priority, Result, Status, Unavailable, now_ms
+from kinfer.topics import InvalidRequest, Priority, Result, Status, Unavailable, now_ms, tracing
 from kinfer.topics.auth import verifier_from_env
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.connect import kafka_options
@@ -100,10 +100,12 @@ class Membership:
         self._sink: ReplySink | None = None
         self._admin: AIOKafkaAdminClient | None = None  # reads the marks of partitions it is assigned
         self._ready_logged = False
+        self._tracing = False  # whether fetched records are traced (an SDK tracer provider is installed)
 
     async def start(self, sink: ReplySink) -> None:
         """Ready to join: ``sink`` takes dead letters and refusals."""
         self._sink = sink
+        self._tracing = tracing.tracer() is not None
         self._admin = AIOKafkaAdminClient(**kafka_options(self.settings.bootstrap))
         await self._admin.start()
 
@@ -300,7 +302,9 @@ class Membership:
             request = read_record(value, record.headers, feed.name, priority, limits=self.settings.limits,
                                   verifier=self._verifier, topic_missing=sink.topics.known_missing if sink else None)
             queue_ms = max(0.0, wall - record.timestamp)
-            job = Job(request, tp, record.offset, queue_ms, now, now + (request.deadline_ms - wall) / 1000.0)
+            traced = tracing.incoming(record.headers, tp.topic, tp.partition, record.offset, request.id,
+                                      record.timestamp, time.time_ns()) if self._tracing else None
+            job = Job(request, tp, record.offset, queue_ms, now, now + (request.deadline_ms - wall) / 1000.0, traced)
             self.observer.fetched(feed.name, request.priority, queue_ms / 1000.0)
             try:
                 admitted = feed.core.admit(job, now)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -46,10 +47,12 @@ from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
+from opentelemetry.trace import Span
 from prometheus_client import start_http_server
 
 from kinfer.batcher import DeficitRoundRobin
@@ -67,7 +70,7 @@ from kinfer.consumers.settings import WorkerSettings
 from kinfer.consumers.sinks import PrometheusSink, StatsSink
 from kinfer.consumers.stats_reporter import StatsReporter
 from kinfer.consumers.swapping import Swapper
-from kinfer.topics import MalformedRecord, Priority, Status, Unavailable, now_ms
+from kinfer.topics import MalformedRecord, Priority, Result, Status, Unavailable, now_ms, tracing
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.cancel import CancelNote
 from kinfer.topics.connect import kafka_options
@@ -110,6 +113,7 @@ class Worker:
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._sink: ReplySink | None = None
+        self._tracing = False  # whether an SDK tracer provider is installed (``topics.tracing``)
         self._membership = Membership(settings, self.feeds, self._signals, self.observer, careful,
                                       spawn=self._spawn, spawn_tracked=self._spawn_tracked, commit=self._commit,
                                       computing=lambda: bool(self._computing))
@@ -149,6 +153,7 @@ class Worker:
         try:
             await producer.start()
             self._sink = ReplySink(producer, replies_redis)
+            self._tracing = tracing.tracer() is not None
             await self._membership.start(self._sink)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -271,6 +276,9 @@ class Worker:
 
     async def _publish(self, feed: Feed, replies: list[Outgoing]) -> None:
         assert self._sink is not None
+        spans: list[Span] = []
+        if self._tracing:
+            replies, spans = self._traced(feed, replies)
         deliveries = [Delivery(o.job.request.reply, o.message, o.job.request.batch_reply, o.job.request.reply_key)
                       for o in replies]
         give_up_ms = max(o.job.request.deadline_ms for o in replies) + PUBLISH_GRACE_MS
@@ -287,6 +295,8 @@ class Worker:
                 delay = backoff.next_delay()
                 log.warning("reply publish failed, retrying in %.2fs: %s", delay, exc)
                 await asyncio.sleep(delay)
+        for span in spans:
+            span.end()
         done: Counter[tuple[Priority, Status]] = Counter()
         tracker = feed.tracker
         for o in replies:
@@ -296,6 +306,36 @@ class Worker:
         self.observer.replied(feed.name, done)
         self._signals.commit.set()
         self._signals.settled.set()
+
+    @staticmethod
+    def _traced(feed: Feed, replies: list[Outgoing]) -> tuple[list[Outgoing], list[Span]]:
+        """The worker's spans of the traced requests among ``replies`` (``topics.tracing``): their batch
+        wait and compute, and their batch's, from their timings; and a ``reply`` span each, started now,
+        whose ``traceparent`` the reply carries. Returns the replies to send and the spans to end once out."""
+        mono, wall = time.monotonic(), time.time_ns()
+        ran: list[tracing.Ran] = []
+        spans: list[Span] = []
+        out: list[Outgoing] = []
+        for o in replies:
+            job, message = o.job, o.message
+            if job.trace is None or not o.terminal:
+                out.append(o)
+                continue
+            if isinstance(message, Result) and message.timings.compute_ms > 0:
+                fetched = tracing.wall_ns(job.fetched, mono, wall)
+                started = fetched + int(message.timings.batch_wait_ms * 1e6)
+                ran.append(tracing.Ran(job.trace, job.request.id, fetched, started,
+                                       started + int(message.timings.compute_ms * 1e6),
+                                       message.timings.batch_size, message.tokens))
+            span = tracing.reply_span(job.trace, job.request.id, (message.status or Status.OK).value)
+            if span is None:
+                out.append(o)
+                continue
+            spans.append(span)
+            carried = tracing.format_traceparent(span.get_span_context())
+            out.append(dataclasses.replace(o, message=msgspec.structs.replace(message, trace=carried)))
+        tracing.batch(feed.name, ran)
+        return out, spans
 
     async def _cancel_loop(self, redis: aioredis.Redis) -> None:
         """Streams whose client went away: free their slot at the next step (best effort)."""

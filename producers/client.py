@@ -61,6 +61,7 @@ from kinfer.topics import (
     new_request_id,
     now_ms,
     pack,
+    tracing,
 )
 from kinfer.topics.auth import Signer, cancel_mac, signer_from_env
 from kinfer.topics.cancel import CancelNote
@@ -294,7 +295,8 @@ class Client:
             model, inputs, priority, deadline_ms, params, request_id, False, tenant, messages
         )
         try:
-            result = await self._call(request, data, topic, headers)
+            with tracing.request_span(request.model, request.id, request.priority):
+                result = await self._call(request, data, topic, headers)
         except KinferError as exc:
             self._outcomes.failed(request.model, request.priority.label, exc)
             raise
@@ -567,7 +569,8 @@ class Client:
         """
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):
-                await (await self._producer.send(topic, data, headers=headers, partition=partition))
+                with tracing.send_span(topic, request.id, partition, headers) as carried:
+                    await (await self._producer.send(topic, data, headers=carried, partition=partition))
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"{request.model}/{request.id}: the broker did not take the request by its deadline",

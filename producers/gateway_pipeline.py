@@ -52,6 +52,7 @@ from kinfer.topics import (
     Turn,
     Unavailable,
     UnknownModel,
+    tracing,
 )
 from kinfer.topics.auth import Signer, signing_secrets
 from kinfer.topics.envelope import DEFAULT_LIMITS
@@ -286,12 +287,13 @@ class Gateway:
         """authenticate → decode → admit → call → render. An error on the way is raised for the app's
         handlers to answer: the request is not counted as served, and a refused body or header spends
         none of the tenant's rate."""
-        who = self.authenticate(request.headers)
-        body = route.decode(await read_body(request))
-        timeout_ms = _timeout_header(request)
-        tenant = await self.admit(who, route.name)
-        admitted = Admitted(self.client, request, who, tenant, route.name, timeout_ms)
-        response = route.render(body, await route.call(admitted, body))
+        with tracing.server_span(route.name, request.method, request.url.path, request.headers):
+            who = self.authenticate(request.headers)
+            body = route.decode(await read_body(request))
+            timeout_ms = _timeout_header(request)
+            tenant = await self.admit(who, route.name)
+            admitted = Admitted(self.client, request, who, tenant, route.name, timeout_ms)
+            response = route.render(body, await route.call(admitted, body))
         REQUESTS.labels(tenant, route.name, "200").inc()
         return response
 

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from kinfer.producers import metrics
 from kinfer.producers.streams import StreamBuffer
-from kinfer.topics import Chunk, KinferError, Reply, ReplyRoute, Result, Unavailable, decode_replies
+from kinfer.topics import Chunk, KinferError, Reply, ReplyRoute, Result, Unavailable, decode_replies, tracing
 from kinfer.topics.auth import new_reply_key
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.connect import kafka_options
@@ -271,6 +271,8 @@ class ReplyMux:
             try:
                 if reply.id in self._waiters or reply.id in self._streams:
                     self.received[source] += 1
+                    if reply.trace is not None:
+                        tracing.received(source, reply.id, reply.trace)
                 self._deliver(reply)
             except Exception:
                 if self._count(source, "error"):

@@ -202,6 +202,9 @@ class Result(msgspec.Struct, frozen=True, tag="res", tag_field="t"):
     # usage accounting; 0 where the model does not count them. Absent in older results: 0.
     tokens: int = 0
     field: str | None = None  # with ``invalid``: the part of the request at fault, when known
+    # W3C traceparent of the worker's span that sent this reply, when the request was traced
+    # (``topics.tracing``); the client's ``receive`` span hangs from it. A value that is not one is ignored.
+    trace: Annotated[str, msgspec.Meta(max_length=512)] | None = None
 
     @property
     def ok(self) -> bool:
@@ -237,6 +240,7 @@ class Chunk(msgspec.Struct, frozen=True, tag="chunk", tag_field="t"):
     error: str | None = None
     worker: str = ""
     v: Version = ENVELOPE_VERSION
+    trace: Annotated[str, msgspec.Meta(max_length=512)] | None = None  # as in a result, on a stream's final chunk
 
     @property
     def prompt_tokens(self) -> int:

@@ -10,7 +10,6 @@ what they run when they run it, so the command line starts without loading model
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from kinfer.ops.cli import (
@@ -32,6 +31,7 @@ from kinfer.ops.cli import (
 )
 from kinfer.ops.cli.common import Command, one_line, show_defaults
 from kinfer.ops.cli.endpoints import take_principal
+from kinfer.ops.cli.observability import configure_logging, configure_tracing
 
 # In the order ``kinfer --help`` lists them.
 COMMANDS: dict[str, Command] = {module.COMMAND.name: module.COMMAND for module in (
@@ -61,13 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = COMMANDS[args.command]
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("aiokafka").setLevel(logging.WARNING if not args.verbose else logging.DEBUG)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models load from local folders only
     try:
+        configure_logging(args.verbose)  # KINFER_LOG_FORMAT: text or json
+        if command.service:
+            configure_tracing(command.name)  # off unless OTEL_TRACES_EXPORTER names an exporter
         # A secure local stack: each component connects as its own principal, unless told otherwise
         # (``--emit`` only prints: it connects to nothing).
         if command.principal and not getattr(args, "emit", None):
