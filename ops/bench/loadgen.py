@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-ms", type=int, default=5_000)
     p.add_argument("--texts", help="MIN,MAX: texts of that many words (default: one short sentence)")
     args = p.parse_args(argv)
+    from kinfer.ops.cli.observability import configure_tracing
+
+    configure_tracing("loadgen")  # the client's spans, when OTEL_TRACES_EXPORTER asks (bench transport --trace-ratio)
     asyncio.run(serve(args))
     return 0
 

@@ -10,12 +10,15 @@ P95 < 150 ms, P99 < 250 ms and at least 99.9 % answered ok.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import local_stack, log, wait_http, wait_served
 from kinfer.ops.bench.loadgen import LoadGen, sweep
+from kinfer.ops.bench.otlp_sink import OtlpSink
 from kinfer.ops.capacity.sla import SLA_P95_MS, SLA_P99_MS
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
 from kinfer.ops.localstack.stack import free_port
@@ -74,6 +77,99 @@ def bench_transport(
                 if proc is not None:
                     stop_process(proc)
     return report
+
+
+# -- tracing's cost ---------------------------------------------------------------------------------------
+
+TRACE_RATES = {"library": 2000.0, "http": 1000.0}  # well inside the SLA on two cores, on and off
+TRACE_ENV = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG")
+
+
+@contextlib.contextmanager
+def _traced_env(ratio: float | None, endpoint: str) -> Iterator[None]:
+    """The processes started inside export sampled traces to ``endpoint`` (None: tracing off)."""
+    saved = {name: os.environ.pop(name, None) for name in TRACE_ENV}
+    if ratio is not None:
+        os.environ.update({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                           "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(ratio)})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+def compare_tracing(ratio: float, seconds: float = 10.0, paths: tuple[str, ...] = PATHS, rounds: int = 2,
+                    partitions: int = 3, rates: dict[str, float] | None = None) -> dict[str, Any]:
+    """CPU per request with tracing off and sampled at ``ratio``, side by side in one run: per path, at
+    one rate, every process started afresh for each configuration (off, on, off, on, ...: a drift of the
+    box shows as a difference between rounds). Spans go over OTLP/HTTP to a receiver in this process
+    (a collector's work is not kinfer's, so its CPU is not counted)."""
+    rates = {**TRACE_RATES, **(rates or {})}
+    report: dict[str, Any] = {"model": "noop (no compute: the pipeline alone)", "trace_ratio": ratio,
+                              "seconds_per_step": seconds, "cpus": os.cpu_count(), "rounds": rounds}
+    with OtlpSink(keep=False) as sink, local_stack() as info:
+        home = info.home
+        asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(MODEL, partitions)]))
+        for path in paths:
+            runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+            for i in range(rounds):
+                for mode in ("off", "on"):
+                    before = sink.received
+                    with _traced_env(ratio if mode == "on" else None, sink.endpoint):
+                        step = _one_step(info, home, path, rates[path], seconds, seed=100 * i)
+                    step["spans_received"] = sink.received - before
+                    runs[mode].append(step)
+                    log(f"  {path} tracing {mode}: cpu/req={step['cpu_ms_per_request']} p95={step['p95_ms']} "
+                        f"spans={step['spans_received']}")
+            off = _mean_cpu(runs["off"])
+            on = _mean_cpu(runs["on"])
+            report[path] = {"rate": rates[path], "off": runs["off"], "on": runs["on"],
+                            "cpu_ms_per_request_off": off, "cpu_ms_per_request_on": on,
+                            "on_over_off": round(on["total"] / off["total"], 4)}
+            log(f"{path}: tracing at {ratio:g} costs {100 * (on['total'] / off['total'] - 1):+.1f} % CPU a request")
+    return report
+
+
+def _one_step(info: Any, home: str, path: str, rate: float, seconds: float, seed: int) -> dict[str, Any]:
+    """Fresh processes (worker, gateway on the HTTP path, load generator) as the environment says; a
+    warm-up step, then one measured step at ``rate``."""
+    procs: list[Any] = []
+    gen = None
+    try:
+        metrics_port = free_port()
+        worker = spawn_worker(info, MODEL, "--family", "noop", "--metrics-port", str(metrics_port),
+                              log_path=os.path.join(home, "bench-transport-worker.log"))
+        procs.append(worker)
+        asyncio.run(wait_served(info, MODEL))
+        pids = {"worker": worker.pid, "broker": info.kafka_pid, "redis": info.redis_pid}
+        url = ""
+        if path == "http":
+            port = free_port()
+            gateway = spawn(info, "gateway", "--port", str(port),
+                            log_path=os.path.join(home, "bench-transport-gateway.log"))
+            procs.append(gateway)
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url)
+            pids["gateway"] = gateway.pid
+        gen = LoadGen(info, path, MODEL, os.path.join(home, "bench-transport-loadgen.log"), url=url)
+        gen.step(rate, min(3.0, seconds), seed=seed + 1)  # connections, metadata, first batches
+        swept = sweep(gen, {"client": gen.proc.pid, **pids}, (rate,), seconds, min_ok=SLA_MIN_OK,
+                      metrics_port=metrics_port)
+        return dict(swept["steps"][-1])
+    finally:
+        if gen is not None:
+            gen.close()
+        for proc in reversed(procs):
+            stop_process(proc)
+
+
+def _mean_cpu(steps: list[dict[str, Any]]) -> dict[str, float]:
+    names = {name for step in steps for name in step["cpu_ms_per_request"]}
+    return {name: round(sum(s["cpu_ms_per_request"].get(name, 0.0) for s in steps) / len(steps), 4)
+            for name in sorted(names)}
 
 
 # -- the picture ----------------------------------------------------------------------------------------

@@ -99,13 +99,21 @@ def _transport_args(bt: argparse.ArgumentParser) -> None:
     bt.add_argument("--library-rates", type=_floats, help="requests/s, comma-separated (default: ops.transport's)")
     bt.add_argument("--http-rates", type=_floats, help="requests/s, comma-separated (default: ops.transport's)")
     bt.add_argument("--partitions", type=int, default=3, help="per request topic")
+    bt.add_argument("--trace-ratio", type=float,
+                    help="instead of the sweep: CPU per request with tracing off and sampled at this ratio, side "
+                         "by side at one rate per path (e.g. 0.01)")
 
 
 def _transport(args: argparse.Namespace) -> dict[str, Any]:
-    from kinfer.ops.bench.transport import bench_transport
+    from kinfer.ops.bench.transport import bench_transport, compare_tracing
 
+    paths = tuple(args.path or ("library", "http"))
+    if args.trace_ratio is not None:
+        if not 0 < args.trace_ratio <= 1:
+            raise ValueError(f"--trace-ratio must be in (0, 1], not {args.trace_ratio}")
+        return compare_tracing(args.trace_ratio, seconds=args.seconds, paths=paths, partitions=args.partitions)
     rates = {k: tuple(v) for k, v in (("library_rates", args.library_rates), ("http_rates", args.http_rates)) if v}
-    return bench_transport(seconds=args.seconds, paths=tuple(args.path or ("library", "http")),
+    return bench_transport(seconds=args.seconds, paths=paths,
                            partitions=args.partitions, **rates)
 
 
