@@ -28,17 +28,19 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags, TraceState
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("kinfer_request_id", default=None)  # the request being handled
+# The traceparent (flags 00) of the request being handled when it is not traced (``_Scope``).
+_NOT_SAMPLED: ContextVar[bytes | None] = ContextVar("kinfer_not_sampled", default=None)
 TRACEPARENT = "traceparent"  # W3C Trace Context, as a Kafka record header (ASCII) and in a reply's ``trace``
 TRACESTATE = "tracestate"
 MAX_TRACESTATE_BYTES = 512  # W3C's limit for a tracestate a vendor must propagate
@@ -121,10 +123,18 @@ _tracer: trace.Tracer | None = None
 _budget: _Budget | None = None
 
 
+_off_until = 0.0  # tracing was found off; looked for again after this (monotonic seconds)
+
+
 def tracer() -> trace.Tracer | None:
-    """kinfer's tracer, or None while no SDK tracer provider is installed (tracing off)."""
-    global _tracer, _budget
+    """kinfer's tracer, or None while no SDK tracer provider is installed (tracing off; looked for
+    again once a second, so a provider an application installs later is found)."""
+    global _tracer, _budget, _off_until
     if _tracer is None:
+        now = time.monotonic()
+        if now < _off_until:
+            return None
+        _off_until = now + 1.0
         provider = trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
             return None
@@ -147,8 +157,9 @@ def use(provider: trace.TracerProvider) -> None:
 
 def reset() -> None:
     """Forget the tracer looked up (tests that install a provider after kinfer looked)."""
-    global _tracer, _budget
+    global _tracer, _budget, _off_until
     _tracer = _budget = None
+    _off_until = 0.0
 
 
 def wall_ns(monotonic_s: float, now_mono: float | None = None, now_wall_ns: int | None = None) -> int:
@@ -165,22 +176,66 @@ def context_of(span_context: SpanContext) -> Context:
 # -- the client's side ------------------------------------------------------------------------------
 
 
-@contextmanager
-def request_span(model: str, request_id: str, priority: int) -> Iterator[trace.Span | None]:
-    """The caller's span for one request (current while it runs): None when tracing is off. Either
-    way ``REQUEST_ID`` names the request meanwhile (log lines carry it)."""
-    named = REQUEST_ID.set(request_id)
-    try:
-        t = tracer()
-        if t is None:
-            yield None
-            return
-        with t.start_as_current_span(f"infer {model}", kind=SpanKind.CLIENT, attributes={
-            "kinfer.model": model, "kinfer.request_id": request_id, "kinfer.priority": priority,
-        }) as span:
-            yield span
-    finally:
-        REQUEST_ID.reset(named)
+class _Scope:
+    """A span current for a block, or the decision not to trace it.
+
+    Each request is decided once, where it enters: an unsampled one records nothing and attaches
+    nothing; ``_NOT_SAMPLED`` holds its ``traceparent`` (flags 00) for the spans nested in it, which
+    are then skipped, and for the record's headers, so the worker skips it too. The classes below are
+    plain context managers (no generator), so a request that is not traced costs a few microseconds.
+    """
+
+    __slots__ = ("_attached", "_unsampled", "span")
+
+    def __init__(self) -> None:
+        self.span: trace.Span | None = None
+        self._attached: object = None
+        self._unsampled: Token[bytes | None] | None = None
+
+    def _start(self, t: trace.Tracer, name: str, kind: SpanKind, parent: Context | None = None) -> bool:
+        """Start ``name``: current if sampled (True), else only the decision kept."""
+        span = t.start_span(name, parent, kind=kind)
+        if span.is_recording():
+            self.span = span
+            self._attached = otel_context.attach(trace.set_span_in_context(span))
+            return True
+        self._unsampled = _NOT_SAMPLED.set(format_traceparent(span.get_span_context()).encode())
+        return False
+
+    def _end(self, exc: BaseException | None) -> None:
+        if self.span is not None:
+            if exc is not None:
+                self.span.record_exception(exc)
+                self.span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+            self.span.end()
+            otel_context.detach(self._attached)  # type: ignore[arg-type]
+        elif self._unsampled is not None:
+            _NOT_SAMPLED.reset(self._unsampled)
+
+
+class request_span(_Scope):
+    """The caller's span for one request (current while it runs; ``span`` None when it is not traced).
+    Either way ``REQUEST_ID`` names the request meanwhile (log lines carry it)."""
+
+    __slots__ = ("_named", "model", "priority", "request_id")
+
+    def __init__(self, model: str, request_id: str, priority: int) -> None:
+        super().__init__()
+        self.model, self.request_id, self.priority = model, request_id, priority
+
+    def __enter__(self) -> trace.Span | None:
+        self._named = REQUEST_ID.set(self.request_id)
+        t = _tracer if _tracer is not None else tracer()
+        if t is not None and _NOT_SAMPLED.get() is None and \
+                self._start(t, f"infer {self.model}", SpanKind.CLIENT):
+            assert self.span is not None
+            self.span.set_attributes({"kinfer.model": self.model, "kinfer.request_id": self.request_id,
+                                      "kinfer.priority": self.priority})
+        return self.span
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self._end(exc)
+        REQUEST_ID.reset(self._named)
 
 
 def current_ids() -> tuple[str, str] | None:
@@ -191,40 +246,73 @@ def current_ids() -> tuple[str, str] | None:
     return f"{context.trace_id:032x}", f"{context.span_id:016x}"
 
 
-@contextmanager
-def server_span(route: str, method: str, path: str, headers: Mapping[str, str]) -> Iterator[trace.Span | None]:
+class server_span(_Scope):
     """A gateway's span for one HTTP request (current while it runs), continuing the caller's trace
     when its headers carry one (``OTEL_PROPAGATORS``, W3C Trace Context by default)."""
-    t = tracer()
-    if t is None:
-        yield None
-        return
-    with t.start_as_current_span(f"{method} {route}", propagate.extract(headers), kind=SpanKind.SERVER,
-                                 attributes={"http.request.method": method, "http.route": route,
-                                             "url.path": path}) as span:
-        yield span
-        span.set_attribute("http.response.status_code", 200)
+
+    __slots__ = ("headers", "method", "path", "route")
+
+    def __init__(self, route: str, method: str, path: str, headers: Mapping[str, str]) -> None:
+        super().__init__()
+        self.route, self.method, self.path, self.headers = route, method, path, headers
+
+    def __enter__(self) -> trace.Span | None:
+        t = _tracer if _tracer is not None else tracer()
+        if t is None:
+            return None
+        raw = self.headers.get(TRACEPARENT)
+        parent = parse_traceparent(raw) if raw is not None else None
+        if parent is not None and not parent.sampled:  # the caller decided: nothing recorded, passed on
+            self._unsampled = _NOT_SAMPLED.set(f"00-{parent.trace_id:032x}-{parent.span_id:016x}-00".encode())
+            return None
+        context = propagate.extract(self.headers) if raw is not None else None
+        if self._start(t, f"{self.method} {self.route}", SpanKind.SERVER, context):
+            assert self.span is not None
+            self.span.set_attributes({"http.request.method": self.method, "http.route": self.route,
+                                      "url.path": self.path})
+        return self.span
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if self.span is not None and exc is None:
+            self.span.set_attribute("http.response.status_code", 200)
+        self._end(exc)
 
 
-@contextmanager
-def send_span(topic: str, request_id: str, partition: int | None,
-              headers: list[tuple[str, bytes]] | None) -> Iterator[list[tuple[str, bytes]] | None]:
-    """One copy's publish: yields the headers to send it with, ``traceparent`` added (the same
-    headers when tracing is off)."""
-    t = tracer()
-    if t is None:
-        yield headers
-        return
-    attributes: dict[str, Any] = {"messaging.system": "kafka", "messaging.operation.type": "send",
-                                  "messaging.destination.name": topic, "messaging.message.id": request_id}
-    if partition is not None:
-        attributes["messaging.destination.partition.id"] = str(partition)
-    with t.start_as_current_span(f"send {topic}", kind=SpanKind.PRODUCER, attributes=attributes) as span:
-        context = span.get_span_context()
-        carried = [*(headers or ()), (TRACEPARENT, format_traceparent(context).encode())]
-        if context.trace_state:
-            carried.append((TRACESTATE, context.trace_state.to_header().encode()))
-        yield carried
+class send_span(_Scope):
+    """One copy's publish: ``with send_span(...) as carried`` gives the headers to send it with,
+    ``traceparent`` added (the same headers when tracing is off)."""
+
+    __slots__ = ("headers", "partition", "request_id", "topic")
+
+    def __init__(self, topic: str, request_id: str, partition: int | None,
+                 headers: list[tuple[str, bytes]] | None) -> None:
+        super().__init__()
+        self.topic, self.request_id, self.partition, self.headers = topic, request_id, partition, headers
+
+    def __enter__(self) -> list[tuple[str, bytes]] | None:
+        t = _tracer if _tracer is not None else tracer()
+        if t is None:
+            return self.headers
+        carried = _NOT_SAMPLED.get()
+        if carried is None:
+            if self._start(t, f"send {self.topic}", SpanKind.PRODUCER):
+                assert self.span is not None
+                context = self.span.get_span_context()
+                attributes: dict[str, Any] = {
+                    "messaging.system": "kafka", "messaging.operation.type": "send",
+                    "messaging.destination.name": self.topic, "messaging.message.id": self.request_id}
+                if self.partition is not None:
+                    attributes["messaging.destination.partition.id"] = str(self.partition)
+                self.span.set_attributes(attributes)
+                headers = [*(self.headers or ()), (TRACEPARENT, format_traceparent(context).encode())]
+                if context.trace_state:
+                    headers.append((TRACESTATE, context.trace_state.to_header().encode()))
+                return headers
+            carried = _NOT_SAMPLED.get()
+        return [*(self.headers or ()), (TRACEPARENT, carried)] if carried is not None else self.headers
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self._end(exc)
 
 
 def received(route: str, request_id: str, carried: str | None) -> None:

@@ -235,3 +235,26 @@ def test_an_exporter_that_is_not_installed_is_named(monkeypatch: pytest.MonkeyPa
 def test_wall_clock_of_a_monotonic_instant() -> None:
     assert tracing.wall_ns(10.0, now_mono=12.5, now_wall_ns=5_000_000_000) == 2_500_000_000
     assert abs(tracing.wall_ns(time.monotonic()) - time.time_ns()) < 50_000_000
+
+
+def test_a_request_not_sampled_records_nothing_and_tells_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use(provider)
+    try:
+        with tracing.server_span("infer", "POST", "/v1/x", {}) as server, tracing.request_span("m", "r1", 1) as call, \
+                tracing.send_span("infer.m.p1", "r1", None, None) as carried:
+            assert server is None and call is None and carried is not None
+            parent = parse_traceparent(dict(carried)[tracing.TRACEPARENT])
+            assert parent is not None and not parent.sampled  # the worker skips it
+        caller = {"traceparent": f"00-{TRACE}-{SPAN}-00"}  # the caller decided: not sampled, passed on
+        with tracing.server_span("infer", "POST", "/v1/x", caller), \
+                tracing.send_span("infer.m.p1", "r2", None, None) as carried:
+            assert carried is not None
+            assert parse_traceparent(dict(carried)[tracing.TRACEPARENT]) == Parent(int(TRACE, 16), int(SPAN, 16), 0)
+        assert exporter.get_finished_spans() == ()
+    finally:
+        tracing.reset()
