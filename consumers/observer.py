@@ -51,6 +51,9 @@ class StepFacts:
 class Observer:
     """The facts a worker reports; every method is a no-op here, so a sink implements what it uses."""
 
+    def hosted(self, model: str, generative: bool) -> None:
+        """The worker serves ``model`` (a generative one: in steps). Said once, before anything else."""
+
     def fetched(self, model: str, priority: Priority, queue_s: float) -> None:
         """A valid request was fetched, ``queue_s`` after its record was written."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from kinfer.batcher import Reason
 from kinfer.consumers import metrics
 from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
 from kinfer.consumers.stats_reporter import StatsReporter
@@ -22,6 +23,23 @@ class PrometheusSink(Observer):
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def hosted(self, model: str, generative: bool) -> None:
+        """Every series of a known label set starts at zero: a counter born at its first event would
+        hide that event from ``rate()``, and a panel or alert over it would show nothing until then."""
+        for priority in Priority:
+            for status in Status:
+                self._child(metrics.RESULTS, model, priority.label, status.value)
+            for reason in Reason:
+                self._child(metrics.SHED, model, priority.label, reason.value)
+            self._child(metrics.PAUSED, model, priority.label).set(0)
+        self._child(metrics.UNDELIVERED, model)
+        self._child(metrics.BUFFERED, model).set(0)
+        self._child(metrics.CODEL_DROPPING, model).set(0)
+        if generative:
+            for counter in (metrics.GEN_TOKENS, metrics.GEN_CANCELLED, metrics.SPEC_PROPOSED, metrics.SPEC_ACCEPTED):
+                self._child(counter, model)
+            self.generation(model, 0, 0, 0)
 
     def fetched(self, model: str, priority: Priority, queue_s: float) -> None:
         self._child(metrics.QUEUE_WAIT, model, priority.label).observe(queue_s)

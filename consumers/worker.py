@@ -100,6 +100,7 @@ class Worker:
             core = build_core(spec, runner, policy=settings.policy, gen_policy=settings.gen_policy,
                               worker_id=settings.worker_id, observer=self.observer)
             self.feeds[spec.name] = Feed(core, guard=DeliveryGuard(settings.careful_records, careful))
+            self.observer.hosted(spec.name, generative=core.runner.family == "generator")
         self._fair: DeficitRoundRobin[str] = DeficitRoundRobin(settings.fair_quantum_ms / 1000.0)
         self._max_batch_s = settings.fair_quantum_ms / 1000.0 if len(self.feeds) > 1 else None
         for name in self.feeds:

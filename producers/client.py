@@ -437,6 +437,12 @@ class Client:
         """Refuse here, before enqueueing, what the system says it cannot serve in time."""
         if not self.settings.admission:
             return
+        key = (request.model, request.priority)
+        admitted = self._admitted.get(key)
+        if admitted is None:  # every cause's series starts at zero: a first refusal shows in rate()
+            admitted = self._admitted[key] = metrics.ADMITTED.labels(request.model, request.priority.label)
+            for cause in metrics.REFUSAL_CAUSES:
+                metrics.REFUSED.labels(request.model, request.priority.label, cause)
         health = self._health.get(request.model)
         sent = self._sent.setdefault(request.model, SendLog())
         now = now_ms()
@@ -459,10 +465,6 @@ class Client:
                 raise ColdStart(decision.reason, decision.retry_after_s)
             level = health.level.name.lower() if health is not None else None
             raise Overloaded(f"{request.model}: {decision.reason}", decision.retry_after_s, level, decision.cause)
-        key = (request.model, request.priority)
-        admitted = self._admitted.get(key)
-        if admitted is None:
-            admitted = self._admitted[key] = metrics.ADMITTED.labels(request.model, request.priority.label)
         admitted.inc()
         sent.record(now)
 

@@ -14,9 +14,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from kinfer.topics import DeadlineExceeded, InvalidRequest, KinferError, ModelError, Overloaded, Shed, Unavailable
 
 ADMITTED = Counter("kinfer_admission_admitted_total", "Requests admitted and enqueued", ["model", "priority"])
+REFUSAL_CAUSES = ("level", "deadline", "throttle", "cold")
 REFUSED = Counter(
     "kinfer_admission_refused_total",
-    "Requests refused before enqueueing, by cause (level, deadline, throttle)",
+    "Requests refused before enqueueing, by cause (level, deadline, throttle, cold)",
     ["model", "priority", "cause"],
 )
 LEVEL_SEEN = Gauge("kinfer_client_health_level", "The model's health level as this process last saw it", ["model"])
@@ -105,12 +106,20 @@ class Outcomes:
     def ok(self, model: str, priority: str, seconds: float) -> None:
         found = self._ok.get((model, priority))
         if found is None:
-            found = self._ok[(model, priority)] = (REQUESTS.labels(model, priority, "ok"),
-                                                    LATENCY.labels(model, priority))
+            found = self._first(model, priority)
         found[0].inc()
         found[1].observe(seconds)
 
+    def _first(self, model: str, priority: str) -> tuple[Any, Any]:
+        """Every outcome's series starts at zero (a counter born at its first failure hides it from rate())."""
+        for outcome in OUTCOMES:
+            REQUESTS.labels(model, priority, outcome)
+        found = self._ok[(model, priority)] = (REQUESTS.labels(model, priority, "ok"), LATENCY.labels(model, priority))
+        return found
+
     def failed(self, model: str, priority: str, error: KinferError) -> None:
+        if (model, priority) not in self._ok:
+            self._first(model, priority)
         outcome = outcome_of(error)
         if outcome is not None:
             REQUESTS.labels(model, priority, outcome).inc()

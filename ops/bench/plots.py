@@ -25,7 +25,7 @@ from kinfer.ops.bench.generation import plot_generation
 from kinfer.ops.bench.model import plot_model
 from kinfer.ops.bench.overload import plot_overload
 from kinfer.ops.bench.placement import plot_placement
-from kinfer.ops.bench.transport import PATHS, plot_transport
+from kinfer.ops.bench.transport import PATHS, plot_tracing, plot_transport
 
 Report = dict[str, Any]
 
@@ -129,6 +129,7 @@ PLOTTERS: dict[str, tuple[Callable[[Report], bool], Callable[[Report, str], str]
     "serve": (lambda r: _has(r, "through_gateway"), plot_serve),
     "batching": (lambda r: _has_steps(r, POLICIES), plot_batching),
     "transport": (lambda r: _has_steps(r, PATHS), plot_transport),
+    "transport-tracing": (lambda r: "trace_ratio" in r, plot_tracing),
     "simulate": (lambda r: _has(r, "search", "fleet"), plot_simulate),
     "placement": (lambda r: _has(r, "swap_in_ms", "swap_in_ms_by_model"), plot_placement),
     "model": (lambda r: _has(r, "batch") and all(isinstance(v, dict) for v in r["batch"].values()), plot_model),

@@ -202,6 +202,23 @@ def plot_transport(report: dict[str, Any], path: str) -> str:
     return draw.save(fig, path)
 
 
+def plot_tracing(report: dict[str, Any], path: str) -> str:
+    """CPU per request by process, tracing off and sampled, each round and path side by side."""
+    plt = draw.pyplot()
+    paths = [p for p in PATHS if isinstance(report.get(p), dict)]
+    fig, axes = plt.subplots(1, len(paths), figsize=(6 * len(paths), 5), squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], paths, strict=True):
+        runs = report[name]
+        steps = [{**step, "rate": f"{mode} {i + 1}", "attempt": 1}
+                 for i in range(len(runs["off"])) for mode in ("off", "on") for step in [runs[mode][i]]]
+        _cpu_bars(ax, steps)
+        ax.set_xlabel("tracing off / on (sampled), round")
+        ax.set_title(f"{name} at {runs['rate']:g}/s: on/off = {runs['on_over_off']:.3f}")
+    draw.title(fig, f"kinfer bench transport --trace-ratio {report.get('trace_ratio')}: CPU per request "
+                    f"({report.get('seconds_per_step', '?')} s a step, {report.get('cpus', '?')} CPUs)")
+    return draw.save(fig, path)
+
+
 def _cpu_bars(ax: Any, steps: list[dict[str, Any]]) -> None:
     """CPU ms per request of each process, stacked, one bar per rate step (retries included)."""
     steps = sorted(steps, key=lambda s: (s["rate"], s.get("attempt", 1)))
@@ -225,7 +242,8 @@ def _cpu_bars(ax: Any, steps: list[dict[str, Any]]) -> None:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, total in zip(xs, bottom, strict=True):
         ax.annotate(f"{total:.2f}", (x, total), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7)
-    ax.set_xticks(xs, [f"{s['rate']:g}" + (f"\ntry {s['attempt']}" if s.get("attempt", 1) > 1 else "")
+    ax.set_xticks(xs, [format(s["rate"], "g" if isinstance(s["rate"], float | int) else "")
+                       + (f"\ntry {s['attempt']}" if s.get("attempt", 1) > 1 else "")
                        for s in steps], fontsize=8)
     ax.set_xlabel("offered rate (requests/s)")
     ax.set_ylabel("CPU ms per request answered")

@@ -47,6 +47,14 @@ OBJECTIVES: dict[str, tuple[str, str, str, float]] = {
 }
 
 
+
+def born_or_grew(series: str, by: str, window: str = "10m") -> str:
+    """Counted events in the last ``window``, per ``by``. A labelled counter's series is born at its first
+    event (a reason never seen before), at 1, and ``increase()`` over a series that starts at 1 is 0:
+    so a series that is above 0 now and did not exist ``window`` ago counts too."""
+    return (f"sum by ({by}) (increase({series}[{window}])) > 0\n"
+            f"or (sum by ({by}) ({series}) > 0 unless sum by ({by}) ({series} offset {window}))")
+
 def _ratio(objective: str, window: str) -> str:
     if objective == "errors":  # 0, not nothing, for a model that never failed (its bad series do not exist)
         return (f'(sum by (model) (rate({REQUESTS}{{outcome!="ok"}}[{window}]))\n'
@@ -118,14 +126,14 @@ def signal_alerts() -> list[dict[str, Any]]:
                          "description": "Malformed or poison records reached infer.dlq (kinfer_dead_letters_total"
                                         " by field says what was wrong)."}},
         {"alert": "KinferMalformedRecords",
-         "expr": "sum by (reader, reason) (increase(kinfer_malformed_records_total[10m])) > 0",
+         "expr": born_or_grew("kinfer_malformed_records_total", "reader, reason"),
          "labels": {"severity": "ticket"},
          "annotations": {"summary": "{{ $labels.reader }} refused malformed records ({{ $labels.reason }})",
                          "description": "A bug or a forgery: kinfer's own records (health, stats, residency, "
                                         "answered reports) that do not decode or are dated ahead."}},
         {"alert": "KinferForgedReplies",
-         "expr": "sum(increase(kinfer_client_forged_replies_total[10m])) > 0\nor sum by (reason) "
-                 "(increase(kinfer_client_replies_refused_total{reason=~\"unsealed|unopened\"}[10m])) > 0",
+         "expr": "sum(increase(kinfer_client_forged_replies_total[10m])) > 0\nor "
+                 + born_or_grew('kinfer_client_replies_refused_total{reason=~"unsealed|unopened"}', "reason"),
          "labels": {"severity": "page"},
          "annotations": {"summary": "replies not sealed for their client were dropped",
                          "description": "Someone writes to clients' reply channels or topics without the "

@@ -5,18 +5,27 @@ HTTP API: the error and slow-request ratios, the percentiles, the request rate, 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import subprocess
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 import yaml
+from aiokafka import AIOKafkaProducer
 
+from kinfer.consumers.runners.tinylm import build_tiny_lm
 from kinfer.ops.localstack.procs import prometheus_binary, spawn, stop_process
 from kinfer.ops.localstack.stack import StackInfo, free_port
-from tests.integration.conftest import WorkerProcess
+from kinfer.topics import Priority, ReplyRoute, Request, now_ms, pack
+from kinfer.topics.admin import ensure_topics, model_topic_specs
+from kinfer.topics.health import HEALTH_CHANNEL
+from tests.integration.conftest import WorkerProcess, delete_model_topics
 
 pytestmark = pytest.mark.integration
 
@@ -108,3 +117,127 @@ async def test_the_service_level_recordings_return_data_from_a_live_gateway(
         prometheus.terminate()
         prometheus.wait(30)
         stop_process(gateway)
+
+
+DASHBOARD = ROOT / "ops" / "deploy" / "grafana" / "dashboards" / "kinfer.json"
+
+
+def dashboard_expressions() -> list[str]:
+    """Every query of the shipped dashboard, with its variables as Grafana fills them for "All"."""
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                found.append(node["expr"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(DASHBOARD.read_text()))
+    return [e.replace("$model", ".*").replace("$__rate_interval", "1m") for e in found]
+
+
+def fleet_config(tmp: Path, targets: dict[str, list[str]]) -> Path:
+    """The shipped configuration, each job's targets pointed at this test's processes (same job names)."""
+    config = yaml.safe_load((SHIPPED / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    jobs = []
+    for job in config["scrape_configs"]:
+        if job["job_name"] in targets:
+            job.pop("dns_sd_configs", None)
+            job["static_configs"] = [{"targets": targets[job["job_name"]]}]
+            jobs.append(job)
+    assert {j["job_name"] for j in jobs} == set(targets)
+    config["scrape_configs"] = jobs
+    config.pop("rule_files", None)
+    out = tmp / "prometheus.yml"
+    out.write_text(yaml.safe_dump(config))
+    return out
+
+
+async def test_every_dashboard_expression_returns_data_from_a_live_fleet(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """A gateway, a batching worker, a generation worker and the lag monitor, scraped by a real
+    Prometheus with the shipped job names; traffic through the gateway (one-shot and generation), a
+    record that is dead-lettered and one that expires in its partition. Then every one of the
+    dashboard's queries returns a series, and every metric the alert rules read is exported."""
+    binary = prometheus_binary()
+    if binary is None:
+        pytest.fail("prometheus is missing: `make deps` unpacks Debian's prometheus package into the cache")
+    lm = f"{topics}-lm"
+    await ensure_topics(stack.bootstrap, model_topic_specs(lm, 1))
+    lm_dir = build_tiny_lm(tmp_path / "lm", eos=False)
+    batching = spawn_worker(topics, "--family", "noop")
+    generating = spawn_worker(lm, "--family", "generator", "--path", str(lm_dir))
+    gateway_port, lagmon_port, prom_port = free_port(), free_port(), free_port()
+    gateway = spawn(stack, "gateway", "--port", str(gateway_port), log_path=str(tmp_path / "gateway.log"))
+    lagmon = spawn(stack, "lagmon", "--metrics-port", str(lagmon_port), log_path=str(tmp_path / "lagmon.log"))
+    targets = {"kinfer-gateway": [f"127.0.0.1:{gateway_port}"], "kinfer-lagmon": [f"127.0.0.1:{lagmon_port}"],
+               "kinfer-worker": [f"127.0.0.1:{w.metrics_port}" for w in (batching, generating)]}
+    prometheus = start_prometheus(binary, fleet_config(tmp_path, targets), tmp_path, prom_port)
+    producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap)
+    await producer.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway_port}", timeout=30) as http, \
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{prom_port}", timeout=10) as prom:
+            for _ in range(600):
+                try:
+                    one = await http.post(f"/v1/models/{topics}/infer", json={"inputs": ["x"]})
+                    gen = await http.post("/v1/completions", json={"model": lm, "prompt": "a", "max_tokens": 3})
+                    if one.status_code == gen.status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.5)
+            else:
+                pytest.fail(f"never served:\n{batching.log()[-2000:]}\n{generating.log()[-2000:]}")
+            # What the dashboard shows besides answers: a dead letter and a request expired in its partition.
+            await producer.send_and_wait(f"infer.{topics}.p1", b"\xc1 not an envelope")
+            now = now_ms()
+            expired = Request(id=uuid.uuid4().hex, model=topics, priority=Priority.P1, tenant="tests",
+                              created_ms=now - 5_000, deadline_ms=now - 4_000, inputs=("late",),
+                              reply=ReplyRoute(redis="kinfer:reply:tests:nobody"))
+            await producer.send_and_wait(f"infer.{topics}.p1", pack(expired))
+            await batching.wait_metric("kinfer_dead_letters_total", 1)
+            await batching.wait_metric("kinfer_shed_total", 1, reason="expired")
+            # ... and what the alerts watch for: a forged health state, a reply not sealed for its client.
+            redis = aioredis.Redis.from_url(stack.redis_url)
+            try:
+                await redis.publish(HEALTH_CHANNEL, b"\xc1 forged")
+                channels = await redis.pubsub_channels("kinfer:reply:*")
+                assert channels, "the gateway's reply channel"
+                for channel in channels:
+                    await redis.publish(channel, b"\xc1 forged")
+            finally:
+                await redis.aclose()
+
+            expressions = dashboard_expressions()
+            empty: list[str] = expressions
+            for _ in range(90):  # traffic for a few scrapes: every rate over 1m has two samples
+                for _ in range(10):
+                    await http.post(f"/v1/models/{topics}/infer", json={"inputs": ["x", "yy"]})
+                await http.post("/v1/completions", json={"model": lm, "prompt": "a", "max_tokens": 3})
+                empty = [e for e in expressions if not await query(prom, e)]
+                if not empty:
+                    break
+                await asyncio.sleep(0.5)
+            assert empty == [], "dashboard queries with no data"
+
+            rules = yaml.safe_load((SHIPPED / "rules" / "kinfer.yml").read_text())
+            read = {name for group in rules["groups"] for rule in group["rules"]
+                    for name in re.findall(r"(?<![:\w])(kinfer_[a-z_]+?)(?:_bucket|_count|_sum)?\b", rule["expr"])}
+            assert "kinfer_client_requests_total" in read
+            missing = [name for name in sorted(read)
+                       if not await query(prom, f'count({{__name__=~"{name}(_total|_bucket|_count|_sum)?"}})')]
+            assert missing == [], "metrics the alert rules read that no process exports"
+    finally:
+        await producer.stop()
+        prometheus.terminate()
+        prometheus.wait(30)
+        stop_process(gateway)
+        stop_process(lagmon)
+        await delete_model_topics(stack.bootstrap, lm)
