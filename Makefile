@@ -1,8 +1,9 @@
 # The two commands: `make demo` (the whole pipeline, end to end) and `make test` (every test).
 # Each one installs what it needs first, idempotently: the virtual environment and Python
-# packages, Debian's redis-server, Kafka's jars from Maven Central, and Debian's Prometheus
-# (unpacked, not installed: promtool tests the alert rules). `make check` is the edit loop: the
-# unit tests without the model tests, on every core.
+# packages, Debian's redis-server, Kafka's jars from Maven Central, Debian's Prometheus
+# (unpacked, not installed: promtool tests the alert rules) and Helm (built by Go from the module
+# proxy: the chart's tests render it). `make check` is the edit loop: the unit tests without the
+# model tests, on every core.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -13,6 +14,7 @@ export HF_HUB_OFFLINE := 1
 # stay in the checkout's .cache/ (ignored by git), so CI keeps what it fetched before. The local stack's
 # state is in KINFER_HOME, else ~/.local/state/kinfer.
 export KINFER_CACHE ?= $(CURDIR)/.cache
+HELM_VERSION := v4.3.2
 
 .PHONY: deps demo test check lint typecheck unit stack-down clean
 
@@ -33,6 +35,10 @@ deps: $(VENV)/.kinfer-deps
 	@test -x $(KINFER_CACHE)/prometheus/usr/bin/promtool || (mkdir -p $(KINFER_CACHE)/prometheus && cd $(KINFER_CACHE) && \
 		(apt-get download -q prometheus 2>/dev/null || ($(SUDO) apt-get update -q && apt-get download -q prometheus)) && \
 		dpkg-deb -x prometheus_*.deb prometheus && rm -f prometheus_*.deb)
+
+	@# helm (the chart's tests render it), built from the Go module proxy into the cache when Go is here.
+	@test -x $(KINFER_CACHE)/helm/helm || ! command -v go >/dev/null 2>&1 || \
+		GOBIN=$(KINFER_CACHE)/helm GOFLAGS=-mod=mod go install helm.sh/helm/v4/cmd/helm@$(HELM_VERSION)
 
 demo: deps
 	$(PY) -m kinfer.ops.cli demo

@@ -69,6 +69,17 @@ async def wait_until_served(client: Client, model: str, timeout_s: float = 180.0
             await asyncio.sleep(0.2)  # refused or not served yet: ask again, but do not hammer
 
 
+def helm_binary() -> str | None:
+    """Helm, as ``make deps`` builds it into the cache from the Go module proxy, else one on the PATH."""
+    from kinfer.topics.paths import cache_dir
+
+    for cache in (cache_dir(), Path(__file__).resolve().parents[2] / ".cache"):
+        found = cache / "helm" / "helm"
+        if found.is_file():
+            return str(found)
+    return shutil.which("helm")
+
+
 def prometheus_binary(name: str = "prometheus") -> str | None:
     """Debian's ``prometheus`` or ``promtool``, as ``make deps`` unpacks it into the cache (the checkout's
     .cache/ under make), else one on the PATH; None when there is neither."""
