@@ -311,7 +311,8 @@ class Membership:
             except InvalidRequest:
                 raise
             except Exception as exc:  # a defect of the core or the runner: this record's refusal, not the end
-                log.exception("%s: admitting %s@%d failed", feed.name, tp.topic, record.offset)
+                log.exception("%s: admitting %s@%d failed", feed.name, tp.topic, record.offset,
+                              extra={"request_id": request.id, **tracing.log_ids(traced)})
                 raise InvalidRequest(f"the model could not take it ({type(exc).__name__})", "message") from exc
             if not admitted:
                 feed.tracker.done(tp, record.offset)  # a copy of a request in progress: that one answers

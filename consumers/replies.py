@@ -151,7 +151,8 @@ class ReplySink:
                 routable.append((topic, out))
             else:
                 undelivered += 1
-                log.warning("reply for %s dropped: its reply topic %s does not exist", out.message.id, topic)
+                log.warning("reply for %s dropped: its reply topic %s does not exist", out.message.id, topic,
+                            extra={"request_id": out.message.id})
         to_kafka = routable
         if to_kafka:
             try:

@@ -246,6 +246,14 @@ def current_ids() -> tuple[str, str] | None:
     return f"{context.trace_id:032x}", f"{context.span_id:016x}"
 
 
+def log_ids(context: Context | None) -> dict[str, str]:
+    """A traced request's trace id as a log line's ``extra`` (a line about one record, outside its span)."""
+    if context is None:
+        return {}
+    span_context = trace.get_current_span(context).get_span_context()
+    return {"trace_id": f"{span_context.trace_id:032x}"} if span_context.is_valid else {}
+
+
 class server_span(_Scope):
     """A gateway's span for one HTTP request (current while it runs), continuing the caller's trace
     when its headers carry one (``OTEL_PROPAGATORS``, W3C Trace Context by default)."""

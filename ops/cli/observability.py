@@ -45,6 +45,8 @@ class JsonFormatter(logging.Formatter):
         ids = tracing.current_ids()
         if ids is not None:
             line["trace_id"], line["span_id"] = ids
+        elif (trace_id := getattr(record, "trace_id", None)) is not None:  # a line about one traced record
+            line["trace_id"] = trace_id
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False, default=str)

@@ -258,3 +258,12 @@ def test_a_request_not_sampled_records_nothing_and_tells_the_worker(monkeypatch:
         assert exporter.get_finished_spans() == ()
     finally:
         tracing.reset()
+
+
+def test_a_line_about_one_traced_record_names_its_request_and_trace(spans: InMemorySpanExporter) -> None:
+    context = tracing.incoming([("traceparent", f"00-{TRACE}-{SPAN}-01".encode())], "t", 0, 1, "r9", 1, 2)
+    record = logging.LogRecord("kinfer.x", logging.ERROR, __file__, 1, "admitting failed", (), None)
+    record.__dict__.update({"request_id": "r9", **tracing.log_ids(context)})
+    line = json.loads(JsonFormatter().format(record))
+    assert (line["request_id"], line["trace_id"]) == ("r9", TRACE)
+    assert tracing.log_ids(None) == {}
