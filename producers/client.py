@@ -472,8 +472,7 @@ class Client:
                         waiter: asyncio.Future[Result]) -> Result:
         """Publish the request and wait for its result, hedging it (``producers.hedging``).
 
-        The request goes to a partition the board trusts and the lag monitor does not name as backlogged
-        (stuck, or far behind: ``_backlogged``). Unanswered at the model's recent p99, it is
+        The request goes to a partition the board trusts. Unanswered at the model's recent p99, it is
         published again (same id, same bytes) to another trusted partition, paid from the hedge budget,
         and the partition it waited on becomes suspect unless it answered something meanwhile; so again,
         up to ``HedgePolicy.max_hedges`` copies. The first result wins; the others are dropped by id. A
@@ -482,8 +481,7 @@ class Client:
         hedger = self._hedger
         partitions = self._partitions(topic)
         sent_at = time.monotonic()
-        backlogged = self._backlogged(request)
-        first = hedger.board.pick(topic, partitions, sent_at, avoid=backlogged) if partitions else None
+        first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
         sends = {self._spawn_send(topic, data, request, headers, first)}
         hedger.sent_one()
         delay = hedger.delay_s(request.model) if partitions and len(partitions) > 1 else None
@@ -504,7 +502,7 @@ class Client:
                         refusals.append(error)
                 if not done:  # unanswered at the hedge delay: its last copy's partition is suspect
                     assert delay is not None and partitions
-                    hedge_at = self._hedge(topic, data, request, headers, partitions, copies, sends, backlogged)
+                    hedge_at = self._hedge(topic, data, request, headers, partitions, copies, sends)
                     hedge_at = None if hedge_at is None else hedge_at + delay
                 if refusals and not sends and not accepted and not waiter.done():
                     raise refusals[0]  # no copy reached the broker: its refusal is the answer
@@ -529,7 +527,7 @@ class Client:
 
     def _hedge(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
                partitions: list[int], copies: list[tuple[int | None, float]],
-               sends: set[asyncio.Task[None]], backlogged: Sequence[int] = ()) -> float | None:
+               sends: set[asyncio.Task[None]]) -> float | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
         one more copy where it can help and the budget pays. Returns when that copy was sent (None:
         no more hedging for this request)."""
@@ -539,8 +537,7 @@ class Client:
         hedger.board.hedged(topic, last, last_at, now)
         if len(copies) > hedger.policy.max_hedges:
             return None
-        taken = [p for p, _ in copies if p is not None]
-        target = hedger.board.pick(topic, partitions, now, avoid=[*taken, *backlogged])
+        target = hedger.board.pick(topic, partitions, now, avoid=[p for p, _ in copies if p is not None])
         if hedger.board.suspect(topic, target) or any(p == target for p, _ in copies):
             hedger.nowhere += 1  # every other partition has stopped too: a copy would wait as well
             return None
@@ -557,12 +554,6 @@ class Client:
         task = asyncio.get_running_loop().create_task(self._publish(topic, data, request, headers, partition))
         task.add_done_callback(_retrieve)
         return task
-
-    def _backlogged(self, request: Request) -> Sequence[int]:
-        """The partitions of the request's topic the lag monitor says to avoid now: stuck, or far behind
-        the others (``HealthState.backlogged``). A new request sent there would wait behind them."""
-        health = self._health.get(request.model)
-        return health.backlogged[request.priority] if health is not None else ()
 
     def _partitions(self, topic: str) -> list[int] | None:
         """The topic's partitions that have a leader now (the producer's metadata), None when unknown."""

@@ -32,9 +32,6 @@ class Level(enum.IntEnum):
 
 RetryMs = Annotated[int, msgspec.Meta(ge=0, le=int(MAX_DURATION_MS))]
 Replicas = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]
-MAX_BACKLOGGED = 64  # partitions named per priority; a model with more left out names the first 64
-Partitions = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)], ...],
-                       msgspec.Meta(max_length=MAX_BACKLOGGED)]
 
 
 class HealthState(Record, frozen=True):
@@ -67,10 +64,6 @@ class HealthState(Record, frozen=True):
     # While cold: how long until a worker should have it warm (its workers' last measured swap-in from
     # the tier its weights are in; 0: no worker has measured one).
     cold_start_ms: Millis = 0.0
-    # Of each of p0, p1, p2's topics: the partitions a new request should not be sent to, stuck (their
-    # owner or leader gone) or far behind the others (a restarted worker's backlog). ``lag`` and the
-    # predicted wait leave their records out: a client that sends elsewhere does not queue behind them.
-    backlogged: tuple[Partitions, Partitions, Partitions] = ((), (), ())
 
 
 class LevelChange(Record, frozen=True, array_like=True):

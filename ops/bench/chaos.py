@@ -29,8 +29,7 @@ its last bad second (over 1 % failed) before five seconds without one.
 other on fresh stacks: ``no-hedging`` (the client never hedges nor avoids a partition),
 ``no-failover`` (Kafka's default broker failover timings), ``no-static`` (workers join as dynamic
 members: a restarted worker waits out its old self's session), ``no-answered`` (the lag monitor counts
-queues from committed offsets alone: a commit stall reads as a stopped model), ``no-steering`` (the
-lag monitor names no backlogged partitions: a restarted worker's backlog reads as the model's queue).
+queues from committed offsets alone: a commit stall reads as a stopped model).
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_s
 
 FAULTS = ("worker_sigkill", "worker_sigstop", "broker_sigkill", "broker_slow", "redis_sigkill", "redis_slow",
           "lagmon_sigkill", "telemetry_sigkill")
-VARIANTS = ("all", "no-hedging", "no-failover", "no-static", "no-answered", "no-steering")
+VARIANTS = ("all", "no-hedging", "no-failover", "no-static", "no-answered")
 MODEL = "chaos"
 KINDS = ("ok", "refused", "expired", "error", "unaccepted", "timed_out")  # how a request can end
 
@@ -85,7 +84,6 @@ class ChaosConfig:
     failover: bool = True
     static: bool = True
     answered: bool = True  # the lag monitor reads the workers' answered reports, not committed offsets alone
-    steering: bool = True  # the lag monitor names backlogged partitions, clients send new requests elsewhere
 
     def variant(self, name: str) -> ChaosConfig:
         if name == "all":
@@ -98,8 +96,6 @@ class ChaosConfig:
             return replace(self, static=False)
         if name == "no-answered":
             return replace(self, answered=False)
-        if name == "no-steering":
-            return replace(self, steering=False)
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
@@ -189,7 +185,7 @@ class _Fleet:
             extra = [*args, *(["--instance-id", f"chaos-{i}"] if c.static else [])]
             self.supervisor.add(f"worker-{i}", lambda extra=extra, i=i: spawn_worker(  # type: ignore[misc]
                 self.info, MODEL, *extra, log_path=str(self.logs / f"worker-{i}.log")))
-        blind = [*([] if c.answered else ["--no-answered"]), *([] if c.steering else ["--no-steering"])]
+        blind = [] if c.answered else ["--no-answered"]
         self.supervisor.add("lagmon", lambda: spawn(self.info, "lagmon", "--model", MODEL, *blind,
                                                     log_path=str(self.logs / "lagmon.log")))
         self.supervisor.add("telemetry", lambda: spawn(self.info, "telemetry",

@@ -19,9 +19,6 @@ def add_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--no-answered", action="store_true",
                    help="count queues from committed offsets alone, not also from the positions workers report "
                         "answered (a commit stall then reads as a stopped model)")
-    m.add_argument("--no-steering", action="store_true",
-                   help="name no partitions for clients to avoid and count every record as the queue (a restarted "
-                        "worker's backlog then reads as the model's)")
     add_metrics_args(m)
 
 
@@ -31,8 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     bootstrap, redis_url = endpoints()
     monitor = LagMonitor(bootstrap, redis_url, models=args.model or None, interval_s=args.interval_s,
-                         policy=HealthPolicy(commit_interval_ms=args.commit_interval_ms), answered=not args.no_answered,
-                         steering=not args.no_steering)
+                         policy=HealthPolicy(commit_interval_ms=args.commit_interval_ms), answered=not args.no_answered)
     serve_metrics(args)
 
     async def main() -> None:

@@ -15,12 +15,11 @@ queue a fault left behind is judged one poll later, by whether it stands or drai
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from kinfer.topics.health import MAX_BACKLOGGED, HealthState, Level
+from kinfer.topics.health import HealthState, Level
 from kinfer.topics.record import MAX_COUNT, MAX_DURATION_MS, MAX_RATE_RPS
 
 K = TypeVar("K", bound=Hashable)
@@ -207,8 +206,7 @@ class HealthEstimator:
             self._below_since = None
 
     def state(self, model: str, updated_ms: int, *, lag_by_priority: tuple[int, int, int] = (0, 0, 0),
-              service_ms: float = 0.0, warm_replicas: int = -1, cold_start_ms: float = 0.0,
-              backlogged: tuple[Collection[int], Collection[int], Collection[int]] = ((), (), ())) -> HealthState:
+              service_ms: float = 0.0, warm_replicas: int = -1, cold_start_ms: float = 0.0) -> HealthState:
         """What producers are told: the level and the estimate it was decided on, as of ``updated_ms``,
         each number within the range the record holds it to (a wait beyond ``MAX_DURATION_MS`` reads
         as that: every deadline is shorter)."""
@@ -221,18 +219,12 @@ class HealthEstimator:
                                  clamp_rps(self.arrival_by_priority[2])),
             service_ms=clamp_ms(service_ms), capacity_rps=clamp_rps(self.capacity_rps),
             warm_replicas=warm_replicas, cold_start_ms=clamp_ms(cold_start_ms),
-            backlogged=(_partitions(backlogged[0]), _partitions(backlogged[1]), _partitions(backlogged[2])),
         )
 
     def retry_after_ms(self) -> int:
         """How long until the queue should have drained to the DEGRADED threshold."""
         excess_ms = max(0.0, self.wait_ms - self.policy.degraded_wait_ms)
         return int(clamp_ms(max(1000.0, excess_ms)))
-
-
-def _partitions(partitions: Collection[int]) -> tuple[int, ...]:
-    """At most ``MAX_BACKLOGGED`` partition numbers, in order."""
-    return tuple(sorted(partitions)[:MAX_BACKLOGGED])
 
 
 def clamp_ms(value: float) -> float:
@@ -251,57 +243,34 @@ def _count(value: int) -> int:
 
 
 class PartitionProgress(Generic[K]):
-    """Which partitions of a model new requests do not join (pure; ``now`` passed in).
+    """Which partitions of a model stopped moving while the others go on (pure; ``now`` passed in).
 
-    Two kinds, both named in the health state so that kinfer's clients send new requests elsewhere
-    (``HealthState.backlogged``), and both left out of the queue a new request can expect:
-
-    - *stuck*: its committed offset has not moved for ``after_s`` while records wait on it, when another
-      partition of the same model did move meanwhile: stuck on something of its own (its owner paused
-      or dead, its leader gone);
-    - *backlogged*: more than ``backlog_ratio`` times its topic's typical backlog (the median, low) and
-      ``backlog_min`` records more: a worker that came back to what piled up on its partitions while it
-      was away. Its owner works through them; a new request sent there would wait behind them all.
-
-    When every partition with records waiting would be left out, none is: the model itself is stuck
-    or behind, and the usual rules apply.
+    A partition whose committed offset has not moved for ``after_s`` while records wait on it, when
+    another partition of the same model did move meanwhile, is stuck on something of its own: its
+    owner paused or dead, its leader gone. Its records are not a queue a new request joins (kinfer's
+    client steers new requests away from a partition that stopped answering), so the wait new requests
+    can expect leaves them out; when every partition with records waiting has stopped, nothing is
+    left out (the model itself is stuck, and the usual stall rules apply).
     """
 
-    def __init__(self, after_s: float = 1.0, backlog_ratio: float = 4.0, backlog_min: int = 50) -> None:
+    def __init__(self, after_s: float = 1.0) -> None:
         self.after_s = after_s
-        self.backlog_ratio = backlog_ratio
-        self.backlog_min = backlog_min
         self._moved: dict[K, tuple[int, float]] = {}  # committed offset, and when it last changed
 
-    def left_out(self, by_partition: Mapping[K, tuple[int, int]], now: float,
-                 topic: Callable[[K], Hashable] = lambda _: None) -> set[K]:
-        """The partitions of ``by_partition`` (log end, committed) read at ``now`` that new requests should
-        not join; ``topic`` says which partitions compare backlogs (those of one topic)."""
-        out: set[K] = set()
-        waiting: set[K] = set()
-        moving = False
-        backlogs: dict[Hashable, list[int]] = {}
+    def stuck_lag(self, by_partition: Mapping[K, tuple[int, int]], now: float) -> int:
+        """Records waiting on stuck partitions, of ``by_partition`` (log end, committed) read at ``now``."""
+        stuck, moving = 0, False
         for tp, (end, done) in by_partition.items():
             last = self._moved.get(tp)
             if last is None or done != last[0]:
-                last = self._moved[tp] = (done, now)
-            backlogs.setdefault(topic(tp), []).append(max(0, end - done))
+                self._moved[tp] = (done, now)
+                last = self._moved[tp]
             if end <= done:
                 continue
-            waiting.add(tp)
             if now - last[1] >= self.after_s:
-                out.add(tp)
+                stuck += end - done
             else:
                 moving = True
-        if not moving:  # nothing moves: the model is stuck or idle, not a partition
-            for tp in [tp for tp in self._moved if tp not in by_partition]:
-                del self._moved[tp]
-            return set()
-        typical = {t: statistics.median_low(lags) for t, lags in backlogs.items()}
-        for tp in waiting:
-            end, done = by_partition[tp]
-            if end - done > self.backlog_ratio * typical[topic(tp)] + self.backlog_min:
-                out.add(tp)
         for tp in [tp for tp in self._moved if tp not in by_partition]:
             del self._moved[tp]
-        return set() if waiting <= out else out
+        return stuck if moving else 0

@@ -49,7 +49,7 @@ from kinfer.topics.health import (
     LevelChange,
     health_key,
 )
-from kinfer.topics.names import consumer_group, parse_request_topic, request_topic, served_models
+from kinfer.topics.names import consumer_group, request_topic, served_models
 from kinfer.topics.progress import ANSWERED_FORGET_MS, ANSWERED_FRESH_MS, Answered, answered_key
 from kinfer.topics.readers import Supervised, read
 from kinfer.topics.record import MAX_SKEW_MS, R
@@ -103,9 +103,6 @@ class LagMonitor:
     # Count each partition's queue from the workers' answered positions too (``kinfer:answered:<model>``),
     # not from committed offsets alone: commits stall with a group coordinator's broker, answers do not.
     answered: bool = True
-    # Name the partitions new requests should avoid (stuck, or far behind the others) and leave their
-    # records out of the queue (``PartitionProgress``); off: every record counts, none is named.
-    steering: bool = True
 
     async def _telemetry(self, redis: aioredis.Redis | None, model: str) -> ModelStats | None:
         """The model's summary from the telemetry stream (None when it is not running)."""
@@ -236,19 +233,10 @@ class LagMonitor:
             offsets = read.get(model)
             if offsets is None:
                 continue
-            # Partitions stuck on their own (owner or leader gone) or far behind the others (a restarted
-            # worker's backlog) are named in the state: clients send new requests elsewhere, so their
-            # records are not the queue a new request joins.
-            left_out = self._progress.setdefault(model, PartitionProgress()).left_out(
-                offsets.by_partition, time.monotonic(), topic=lambda tp: tp.topic) if self.steering else set()
-            lag_by_priority = list(offsets.lag)
-            backlogged: tuple[list[int], list[int], list[int]] = ([], [], [])
-            for tp in left_out:
-                end, done = offsets.by_partition[tp]
-                priority = parse_request_topic(tp.topic)[1]
-                lag_by_priority[priority] -= max(0, end - done)
-                backlogged[priority].append(tp.partition)
-            lag = sum(lag_by_priority)
+            # Records on partitions stuck on their own (owner or leader gone) are not a queue new requests join.
+            stuck = self._progress.setdefault(model, PartitionProgress()).stuck_lag(offsets.by_partition,
+                                                                                 time.monotonic())
+            lag = sum(offsets.lag) - stuck
             stats = await self._telemetry(redis, model)
             estimator = self.estimators.setdefault(model, HealthEstimator(self.policy))
             fresh = stats is not None and -MAX_SKEW_MS <= now_ms() - stats.updated_ms < STATS_FRESH_MS
@@ -264,10 +252,9 @@ class LagMonitor:
                 capacity_rps=stats.capacity_rps if stats is not None and fresh else None,
                 progressing=stats is not None and fresh and stats.batches_rps > 0, cold=cold,
             )
-            state = estimator.state(model, measured, lag_by_priority=(lag_by_priority[0], lag_by_priority[1],
-                                                                      lag_by_priority[2]),
+            state = estimator.state(model, measured, lag_by_priority=offsets.lag,
                                     service_ms=stats.service_ms if stats else 0.0, warm_replicas=warm,
-                                    cold_start_ms=cold_starts[model] if cold else 0.0, backlogged=backlogged)
+                                    cold_start_ms=cold_starts[model] if cold else 0.0)
             previous = self.states.get(model)
             if previous is None or previous.level != level:
                 LEVEL_CHANGES.labels(model, level.name.lower()).inc()

@@ -14,16 +14,12 @@ import signal
 from collections.abc import Callable
 
 import pytest
-import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from kinfer.ops.localstack.procs import wait_until_served
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.producers.hedging import HedgePolicy
-from kinfer.topics import DeadlineExceeded, now_ms
-from kinfer.topics.health import HEALTH_CHANNEL, HealthState, Level, health_key
-from kinfer.topics.names import request_topic
+from kinfer.topics import DeadlineExceeded
 from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -71,52 +67,3 @@ async def test_a_paused_owner_costs_hedges_not_answers(
     assert ok + lost == 40 and lost <= 1, (ok, lost, plain_lost)
     counts = hedged.hedges
     assert 1 <= counts["hedged"] < 20, counts  # after the first hedges its partitions are skipped
-
-
-async def test_new_requests_avoid_the_partitions_the_lag_monitor_names(
-    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
-) -> None:
-    """A state naming p1's partitions 0 and 1 as backlogged: every new p1 request goes to partition 2,
-    and p0, with nothing named, spreads over all three."""
-    spawn_worker(topics, "--family", "noop")
-    redis = aioredis.Redis.from_url(stack.redis_url)
-    stop = asyncio.Event()
-
-    async def publish_states() -> None:  # as the lag monitor does, every poll
-        while not stop.is_set():
-            state = HealthState(model=topics, level=Level.OK, predicted_wait_ms=0.0, retry_after_ms=0, lag=0,
-                                arrival_rps=0.0, drain_rps=0.0, updated_ms=now_ms(), backlogged=((), (0, 1), ()))
-            await redis.set(health_key(topics), state.pack())
-            await redis.publish(HEALTH_CHANNEL, state.pack())
-            await asyncio.sleep(0.2)
-
-    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)
-    await consumer.start()
-    parts = [TopicPartition(request_topic(topics, p), i) for p in (0, 1) for i in range(3)]
-
-    async def ends() -> dict[TopicPartition, int]:
-        return dict(await consumer.end_offsets(parts))
-
-    publisher = asyncio.create_task(publish_states())
-    try:
-        async with Client(stack.bootstrap, stack.redis_url, tenant="tests") as client:
-            await wait_until_served(client, topics)
-            for _ in range(100):
-                state = client._health.get(topics)
-                if state is not None and state.backlogged[1]:
-                    break
-                await asyncio.sleep(0.1)
-            before = await ends()
-            for priority in (0, 1):
-                results = await asyncio.gather(*(client.infer(topics, [f"x{i}"], priority=priority, deadline_ms=5_000)
-                                                 for i in range(30)))
-                assert all(r.ok for r in results)
-            after = await ends()
-    finally:
-        stop.set()
-        await publisher
-        await consumer.stop()
-        await redis.aclose()
-    sent = {p: [after[tp] - before[tp] for tp in parts if tp.topic == request_topic(topics, p)] for p in (0, 1)}
-    assert sent[1] == [0, 0, 30], sent  # steered away from the named partitions
-    assert min(sent[0]) >= 5 and sum(sent[0]) == 30, sent  # nothing named: spread

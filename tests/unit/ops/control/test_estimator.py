@@ -226,52 +226,31 @@ def test_the_lag_monitor_exports_what_admission_sees() -> None:
 
 def test_a_partition_stuck_on_its_own_is_left_out_of_the_queue_and_a_stuck_model_is_not() -> None:
     progress: PartitionProgress[str] = PartitionProgress(after_s=1.0)
-    assert progress.left_out({"a": (100, 90), "b": (100, 95)}, 0.0) == set()
-    assert progress.left_out({"a": (150, 90), "b": (140, 130)}, 0.6) == set()  # a: not yet a second
-    assert progress.left_out({"a": (200, 90), "b": (190, 185)}, 1.2) == {"a"}  # a stuck, b moves
-    assert progress.left_out({"a": (210, 90), "b": (200, 185)}, 2.5) == set()  # b stopped too: the model is stuck
-    assert progress.left_out({"a": (260, 250), "b": (260, 185)}, 2.6) == {"b"}  # a moved again; b stuck alone
-    assert progress.left_out({"a": (260, 260)}, 2.7) == set()  # b's topic gone: forgotten
+    assert progress.stuck_lag({"a": (100, 90), "b": (100, 95)}, 0.0) == 0
+    assert progress.stuck_lag({"a": (150, 90), "b": (140, 130)}, 0.6) == 0  # a: not yet a second
+    assert progress.stuck_lag({"a": (200, 90), "b": (190, 185)}, 1.2) == 110  # a stuck, b moves
+    assert progress.stuck_lag({"a": (210, 90), "b": (200, 185)}, 2.5) == 0  # b stopped too: the model is stuck
+    assert progress.stuck_lag({"a": (260, 250), "b": (260, 185)}, 2.6) == 75  # a moved again; b stuck alone
+    assert progress.stuck_lag({"a": (260, 260)}, 2.7) == 0  # b's topic gone: forgotten
 
 
-def test_an_idle_partition_is_never_left_out() -> None:
+def test_an_idle_partition_is_never_stuck() -> None:
     progress: PartitionProgress[str] = PartitionProgress(after_s=1.0)
     for t in range(10):
-        assert progress.left_out({"idle": (50, 50), "busy": (100 + 10 * t, 95 + 10 * t)}, float(t)) == set()
-
-
-def test_a_restarted_workers_backlog_is_left_out_while_it_is_far_behind_its_topics_others() -> None:
-    """A worker came back to 330 records on its two partitions of p1; the other four of the model's p1
-    partitions hold a few each. Those two are named (each well over 4x the typical backlog and 50
-    more) while they move, and no longer once they are down to the others' level."""
-    progress: PartitionProgress[tuple[str, int]] = PartitionProgress(after_s=1.0)
-    topic = lambda tp: tp[0]  # noqa: E731
-    behind = {("p1", 0): (1_000, 835), ("p1", 1): (1_000, 835), **{("p1", i): (500, 497) for i in range(2, 6)},
-              **{("p0", i): (300, 300) for i in range(6)}}
-    assert progress.left_out(behind, 0.0, topic) == {("p1", 0), ("p1", 1)}
-    caught_up = {**behind, ("p1", 0): (1_010, 1_000), ("p1", 1): (1_010, 1_001)}
-    assert progress.left_out(caught_up, 0.5, topic) == set()
-    # Another topic's backlog is not the measure: p0's partitions are empty, p1 holds 60 everywhere.
-    even = {**{("p1", i): (600, 540) for i in range(6)}, **{("p0", i): (300, 300) for i in range(6)}}
-    assert progress.left_out(even, 1.0, topic) == set()
-    # One partition with records waiting, behind or not, is the model's whole queue: nothing to steer to.
-    alone = {("p1", 0): (1_000, 700), **{("p1", i): (500, 500) for i in range(1, 6)}}
-    assert progress.left_out(alone, 2.0, topic) == set()
+        assert progress.stuck_lag({"idle": (50, 50), "busy": (100 + 10 * t, 95 + 10 * t)}, float(t)) == 0
 
 
 @given(st.lists(st.dictionaries(st.sampled_from("abcd"), st.tuples(st.integers(0, 2**62), st.integers(0, 2**62)),
                                 max_size=4), max_size=30),
        st.lists(st.floats(0, 5, allow_nan=False), min_size=30, max_size=30))
-def test_what_is_left_out_waits_and_something_waiting_always_remains(
+def test_stuck_lag_is_never_more_than_what_waits_whatever_the_offsets(
         reads: list[dict[str, tuple[int, int]]], gaps: list[float]) -> None:
     progress: PartitionProgress[str] = PartitionProgress(after_s=1.0)
     now = 0.0
     for read, gap in zip(reads, gaps, strict=False):
         now += gap
-        out = progress.left_out(read, now, topic=lambda k: k in "ab")
-        waiting = {k for k, (end, done) in read.items() if end > done}
-        assert out <= waiting  # only partitions with records waiting are named
-        assert not waiting or waiting - out  # never every one of them: requests must go somewhere
+        stuck = progress.stuck_lag(read, now)
+        assert 0 <= stuck <= sum(max(0, end - done) for end, done in read.values())
 
 
 def test_the_queue_a_blind_spell_left_is_judged_by_whether_it_drains_not_by_one_reading() -> None:
