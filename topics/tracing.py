@@ -25,6 +25,7 @@ context or None out.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -129,7 +130,7 @@ _off_until = 0.0  # tracing was found off; looked for again after this (monotoni
 def tracer() -> trace.Tracer | None:
     """kinfer's tracer, or None while no SDK tracer provider is installed (tracing off; looked for
     again once a second, so a provider an application installs later is found)."""
-    global _tracer, _budget, _off_until
+    global _off_until
     if _tracer is None:
         now = time.monotonic()
         if now < _off_until:
@@ -138,21 +139,25 @@ def tracer() -> trace.Tracer | None:
         provider = trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
             return None
-        from kinfer import __version__
-
-        _tracer = provider.get_tracer("kinfer", __version__)
-        _budget = _Budget(float(os.environ.get("KINFER_TRACE_MAX_PER_S", DEFAULT_MAX_PER_S)))
+        use(provider)
     return _tracer
 
 
 def use(provider: trace.TracerProvider) -> None:
-    """kinfer's spans from ``provider`` rather than the global one (an embedding application's own
-    provider, or a test's with an in-memory exporter)."""
+    """kinfer's spans from ``provider`` (the global one once installed; or an embedding application's
+    own, or a test's with an in-memory exporter)."""
     global _tracer, _budget
     from kinfer import __version__
 
+    raw = os.environ.get("KINFER_TRACE_MAX_PER_S", str(DEFAULT_MAX_PER_S))
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = math.nan
+    if not 0 <= rate < math.inf:
+        raise ValueError(f"KINFER_TRACE_MAX_PER_S must be a finite number of requests a second >= 0, not {raw!r}")
     _tracer = provider.get_tracer("kinfer", __version__)
-    _budget = _Budget(float(os.environ.get("KINFER_TRACE_MAX_PER_S", DEFAULT_MAX_PER_S)))
+    _budget = _Budget(rate)
 
 
 def reset() -> None:
@@ -394,17 +399,16 @@ def batch(model: str, ran: Sequence[Ran]) -> None:
     """The spans of one batch's traced requests: each one's ``batch wait`` and ``compute``, and one
     ``batch <model>`` span linked to every one of them (in the first one's trace)."""
     t = tracer()
-    computed = list(ran)
-    if t is None or not computed:
+    if t is None or not ran:
         return
-    first = computed[0]
+    first = ran[0]
     links = [Link(trace.get_current_span(r.context).get_span_context(), {"kinfer.request_id": r.request_id})
-             for r in computed]
+             for r in ran]
     whole = t.start_span(f"batch {model}", first.context, start_time=first.started_ns, links=links, attributes={
-        "kinfer.model": model, "kinfer.batch.size": first.batch_size, "kinfer.batch.requests": len(computed)})
+        "kinfer.model": model, "kinfer.batch.size": first.batch_size, "kinfer.batch.requests": len(ran)})
     whole.end(first.ended_ns)
     to_batch = [Link(whole.get_span_context())]
-    for r in computed:
+    for r in ran:
         t.start_span("batch wait", r.context, start_time=r.fetched_ns).end(r.started_ns)
         t.start_span("compute", r.context, start_time=r.started_ns, links=to_batch, attributes={
             "kinfer.model": model, "kinfer.batch.size": r.batch_size, "kinfer.tokens": r.tokens,

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import gzip
 import threading
+import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -64,20 +66,28 @@ class OtlpSink:
         self.spans: list[ReceivedSpan] = []
         self.received = 0  # spans
         self.requests = 0  # export calls
+        self.refused = 0  # bodies that were not export requests
         self._lock = threading.Lock()
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                length = int(self.headers.get("content-length") or 0)
-                body = self.rfile.read(min(length, MAX_BODY_BYTES))
-                if self.headers.get("content-encoding") == "gzip":
-                    body = gzip.decompress(body)
                 if self.path != "/v1/traces":
                     self.send_error(404)
                     return
-                message = ExportTraceServiceRequest()
-                message.ParseFromString(body)
+                try:  # a body that is not an export request is refused, and the receiver goes on
+                    length = int(self.headers.get("content-length") or 0)
+                    if not 0 <= length <= MAX_BODY_BYTES:
+                        raise ValueError(f"a body of {length} bytes")
+                    body = self.rfile.read(length)
+                    if self.headers.get("content-encoding") == "gzip":
+                        body = gzip.decompress(body)
+                    message = ExportTraceServiceRequest()
+                    message.ParseFromString(body)
+                except (ValueError, OSError, EOFError, zlib.error, DecodeError) as exc:
+                    sink.refused += 1
+                    self.send_error(400, explain=type(exc).__name__)
+                    return
                 sink._take(message)
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)

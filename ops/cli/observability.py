@@ -26,8 +26,6 @@ from typing import Any
 
 from kinfer.topics import tracing
 
-_RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
-
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; the request and trace a line was written under, when there is one."""

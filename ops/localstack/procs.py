@@ -71,22 +71,21 @@ async def wait_until_served(client: Client, model: str, timeout_s: float = 180.0
 
 def helm_binary() -> str | None:
     """Helm, as ``make deps`` builds it into the cache from the Go module proxy, else one on the PATH."""
-    from kinfer.topics.paths import cache_dir
-
-    for cache in (cache_dir(), Path(__file__).resolve().parents[2] / ".cache"):
-        found = cache / "helm" / "helm"
-        if found.is_file():
-            return str(found)
-    return shutil.which("helm")
+    return _cached_binary(Path("helm") / "helm", "helm")
 
 
 def prometheus_binary(name: str = "prometheus") -> str | None:
-    """Debian's ``prometheus`` or ``promtool``, as ``make deps`` unpacks it into the cache (the checkout's
-    .cache/ under make), else one on the PATH; None when there is neither."""
+    """Debian's ``prometheus`` or ``promtool``, as ``make deps`` unpacks it into the cache, else one on the PATH."""
+    return _cached_binary(Path("prometheus") / "usr" / "bin" / name, name)
+
+
+def _cached_binary(relative: Path, name: str) -> str | None:
+    """A tool ``make deps`` put in the cache (the checkout's .cache/ under make), else ``name`` on the
+    PATH; None when there is neither."""
     from kinfer.topics.paths import cache_dir
 
     for cache in (cache_dir(), Path(__file__).resolve().parents[2] / ".cache"):
-        found = cache / "prometheus" / "usr" / "bin" / name
+        found = cache / relative
         if found.is_file():
             return str(found)
     return shutil.which(name)

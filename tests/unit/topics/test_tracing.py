@@ -10,13 +10,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, TraceFlags
 
+from kinfer.ops.bench.otlp_sink import OtlpSink
 from kinfer.ops.cli.observability import JsonFormatter, configure_tracing, exporter_names
 from kinfer.topics import tracing
 from kinfer.topics.tracing import Parent, format_traceparent, parse_traceparent
@@ -267,3 +268,105 @@ def test_a_line_about_one_traced_record_names_its_request_and_trace(spans: InMem
     line = json.loads(JsonFormatter().format(record))
     assert (line["request_id"], line["trace_id"]) == ("r9", TRACE)
     assert tracing.log_ids(None) == {}
+
+
+# -- what comes in from outside: any header, any reply ``trace``, any export body ----------------------
+
+
+_ANY = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=600)
+                    | st.binary(max_size=600), lambda inner: st.lists(inner, max_size=3), max_leaves=20)
+
+
+@given(st.dictionaries(st.sampled_from(["traceparent", "tracestate", "baggage", "x"]), st.text(max_size=700),
+                       max_size=4))
+def test_a_gateway_span_survives_any_caller_headers(headers: dict[str, str]) -> None:
+    tracing.use(TracerProvider())
+    try:
+        with tracing.server_span("infer", "POST", "/v1/x", headers), tracing.request_span("m", "r", 1), \
+                tracing.send_span("infer.m.p1", "r", None, None) as carried:
+            assert carried is not None and parse_traceparent(dict(carried)[tracing.TRACEPARENT]) is not None
+    finally:
+        tracing.reset()
+
+
+@given(_ANY)
+def test_a_replys_trace_is_a_short_string_or_the_reply_is_refused(value: object) -> None:
+    """Whatever a reply's ``trace`` holds (deep, NaN, huge, not text), the reply decodes with a string of
+    at most 512 characters there, or is refused as malformed; the client's receipt never raises."""
+    import msgpack
+
+    from kinfer.topics import Result, decode_replies
+    from kinfer.topics.envelope import ReplyRefused
+
+    body = {"t": "res", "v": 1, "id": "r1", "model": "m", "status": "ok", "trace": value}
+    try:
+        data = msgpack.packb(body, use_bin_type=True)
+    except (OverflowError, ValueError):
+        return  # not msgpack at all
+    try:
+        opened = decode_replies(data)
+    except ReplyRefused:
+        return
+    (reply,) = opened.replies
+    assert isinstance(reply, Result)
+    assert reply.trace is None or (isinstance(reply.trace, str) and len(reply.trace) <= 512)
+    tracing.use(TracerProvider())
+    try:
+        tracing.received("redis", reply.id, reply.trace)
+    finally:
+        tracing.reset()
+
+
+def test_deep_nesting_in_a_replys_trace_is_refused_not_a_crash() -> None:
+    from kinfer.topics import decode_replies
+    from kinfer.topics.envelope import ReplyRefused
+
+    head = b"\x86\xa1t\xa3res\xa2id\xa2r1\xa5model\xa1m\xa6status\xa2ok\xa1v\x01"
+    with pytest.raises(ReplyRefused):
+        decode_replies(head[:1].replace(b"\x86", b"\x87") + head[1:] + b"\xa5trace" + b"\x91" * 100_000 + b"\xc0")
+
+
+def test_a_kinfer_trace_budget_that_is_not_a_number_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw in ("abc", "nan", "-1", "inf"):
+        monkeypatch.setenv("KINFER_TRACE_MAX_PER_S", raw)
+        with pytest.raises(ValueError, match="KINFER_TRACE_MAX_PER_S"):
+            tracing.use(TracerProvider())
+    tracing.reset()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpSink]:
+    with OtlpSink() as sink:
+        yield sink
+
+
+def _post(sink: OtlpSink, data: bytes, gzipped: bool = False) -> int:
+    import urllib.error
+    import urllib.request
+
+    headers = {"content-type": "application/x-protobuf", **({"content-encoding": "gzip"} if gzipped else {})}
+    request = urllib.request.Request(f"{sink.endpoint}/v1/traces", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@settings(deadline=None, max_examples=50)
+@given(st.binary(max_size=2_000))
+def test_the_otlp_receiver_refuses_any_body_that_is_not_an_export_and_serves_on(receiver: OtlpSink,
+                                                                                 body: bytes) -> None:
+    import gzip
+    import zlib
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    try:
+        gzip.decompress(body)
+        expected = {200, 400}  # gzip after all: then it is a message or not
+    except (OSError, EOFError, zlib.error):
+        expected = {400}
+    assert _post(receiver, body, gzipped=True) in expected
+    assert _post(receiver, body) in (200, 400)  # protobuf reads many byte strings as an (odd) message
+    assert _post(receiver, ExportTraceServiceRequest().SerializeToString()) == 200  # and it still serves
