@@ -279,7 +279,10 @@ class Worker:
         assert self._sink is not None
         spans: list[Span] = []
         if self._tracing:
-            replies, spans = self._traced(feed, replies)
+            try:
+                replies, spans = self._traced(feed, replies)
+            except Exception:  # tracing never holds a reply back
+                log.exception("%s: tracing %d replies failed; sent untraced", feed.name, len(replies))
         deliveries = [Delivery(o.job.request.reply, o.message, o.job.request.batch_reply, o.job.request.reply_key)
                       for o in replies]
         give_up_ms = max(o.job.request.deadline_ms for o in replies) + PUBLISH_GRACE_MS

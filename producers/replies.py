@@ -269,11 +269,12 @@ class ReplyMux:
             self._legacy()
         for reply in replies:
             try:
-                if reply.id in self._waiters or reply.id in self._streams:
+                wanted = reply.id in self._waiters or reply.id in self._streams
+                if wanted:
                     self.received[source] += 1
-                    if reply.trace is not None:
-                        tracing.received(source, reply.id, reply.trace)
                 self._deliver(reply)
+                if wanted and reply.trace is not None:  # after the caller has it: tracing never holds it back
+                    tracing.received(source, reply.id, reply.trace)
             except Exception:
                 if self._count(source, "error"):
                     log.exception("a reply to %s from %s could not be delivered", reply.id, source)

@@ -25,6 +25,7 @@ context or None out.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -39,6 +40,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags, TraceState
 
+log = logging.getLogger(__name__)
 REQUEST_ID: ContextVar[str | None] = ContextVar("kinfer_request_id", default=None)  # the request being handled
 # The traceparent (flags 00) of the request being handled when it is not traced (``_Scope``).
 _NOT_SAMPLED: ContextVar[bytes | None] = ContextVar("kinfer_not_sampled", default=None)
@@ -349,10 +351,20 @@ def received(route: str, request_id: str, carried: str | None) -> None:
 def incoming(headers: Sequence[tuple[str, bytes | None]], topic: str, partition: int, offset: int,
              request_id: str, timestamp_ms: int, fetched_wall_ns: int) -> Context | None:
     """A fetched request's trace: its ``queue`` span (record timestamp → fetched) is recorded, and the
-    context its other spans hang from is returned. None: off, not sampled, or over the budget."""
+    context its other spans hang from is returned. None: off, not sampled, over the budget, or tracing
+    failed (logged): a record is served whatever its trace headers or the tracing SDK do."""
     t = tracer()
     if t is None:
         return None
+    try:
+        return _incoming(t, headers, topic, partition, offset, request_id, timestamp_ms, fetched_wall_ns)
+    except Exception:
+        log.exception("tracing %s@%d failed; served untraced", topic, offset)
+        return None
+
+
+def _incoming(t: trace.Tracer, headers: Sequence[tuple[str, bytes | None]], topic: str, partition: int,
+              offset: int, request_id: str, timestamp_ms: int, fetched_wall_ns: int) -> Context | None:
     parent = parse_traceparent(_header(headers, TRACEPARENT))
     if parent is not None and not parent.sampled:
         return None

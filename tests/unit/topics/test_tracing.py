@@ -370,3 +370,22 @@ def test_the_otlp_receiver_refuses_any_body_that_is_not_an_export_and_serves_on(
     assert _post(receiver, body, gzipped=True) in expected
     assert _post(receiver, body) in (200, 400)  # protobuf reads many byte strings as an (odd) message
     assert _post(receiver, ExportTraceServiceRequest().SerializeToString()) == 200  # and it still serves
+
+
+def test_a_tracing_failure_serves_the_record_untraced(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    provider = TracerProvider()
+    tracing.use(provider)
+    try:
+        assert tracing._tracer is not None
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("an exporter bug")
+
+        monkeypatch.setattr(tracing._tracer, "start_span", broken)
+        sampled = [("traceparent", f"00-{TRACE}-{SPAN}-01".encode())]
+        with caplog.at_level(logging.ERROR):
+            assert tracing.incoming(sampled, "infer.m.p1", 0, 7, "r1", 1, 2) is None
+        assert "served untraced" in caplog.text
+    finally:
+        tracing.reset()
