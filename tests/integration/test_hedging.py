@@ -41,7 +41,9 @@ async def burst(client: Client, model: str, n: int, deadline_ms: int) -> tuple[i
 async def test_a_paused_owner_costs_hedges_not_answers(
     stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
 ) -> None:
-    workers = [spawn_worker(topics, "--family", "noop") for _ in range(2)]
+    # A session timeout far past the test: the paused worker keeps its partitions throughout, so no
+    # rebalance stalls the live worker meanwhile (a busy box stretches the bursts past a short one).
+    workers = [spawn_worker(topics, "--family", "noop", "--session-timeout-ms", "60000") for _ in range(2)]
     policy = HedgePolicy(min_samples=16)
     async with Client(stack.bootstrap, stack.redis_url, tenant="tests", hedging=policy, admission=False) as hedged, \
             Client(stack.bootstrap, stack.redis_url, tenant="tests", hedging=HedgePolicy(enabled=False),
@@ -56,7 +58,6 @@ async def test_a_paused_owner_costs_hedges_not_answers(
             raise AssertionError("the second worker never got a partition")
         os.kill(workers[0].proc.pid, signal.SIGSTOP)
         try:
-            # Well inside the 6 s session timeout: the paused worker's partitions stay its own throughout.
             _, plain_lost = await burst(plain, topics, 20, 1_500)
             ok, lost = await burst(hedged, topics, 40, 1_500)
         finally:
