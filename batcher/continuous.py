@@ -13,6 +13,13 @@ as ``kv_reserved_unused``); its benefit is that no work is ever thrown away or r
 preemption would have to recompute a victim's prefill and every token it had generated.
 
 A request whose reservation exceeds the whole budget could never run: it is refused at once.
+
+**Background work** (priority ``background_level`` and below: work that waits for idle capacity)
+joins only when no other sequence waits, never ages, and holds at most ``background_share`` of the
+running slots and of the KV budget. So an interactive request never waits behind it for more than one
+step: it finds a free slot and room for a reservation up to ``1 - background_share`` of the budget,
+and joins at the next step boundary. (A policy with fewer than ``1 / background_share`` running slots
+has none for background work; a background request larger than its share of the budget is refused.)
 """
 
 from __future__ import annotations
@@ -42,8 +49,12 @@ class GenPolicy:
     kv_budget_tokens: int = 65_536  # KV cache tokens reservable across the running batch
     max_prefill_tokens: int = 4_096  # prompt tokens admitted in one step (bounds that step's time)
     aging_ms: float = 1_000.0  # waiting this long improves a request by one priority level
+    background_level: int = 3  # sequences of this priority or lower are background work
+    background_share: float = 0.5  # of the running slots and of the KV budget background work may hold
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.background_share < 1.0:
+            raise ValueError(f"background_share must be within (0, 1), got {self.background_share}")
         for name in ("max_running", "kv_budget_tokens", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GenPolicy.{name} must be >= 1, got {getattr(self, name)}")
@@ -149,17 +160,21 @@ class ContinuousScheduler:
                     self._cancelled.discard(s.id)
                     evict.append((s, reason))
         admit: list[Sequence] = []
+        p = self.policy
         reserved, prefill = self.kv_reserved, 0
-        aging_s = self.policy.aging_ms / 1000.0
-        order = sorted(
-            self._waiting.values(), key=lambda s: (max(0, s.priority - int((now - s.arrival) / aging_s)), s.seq)
-        )
-        if self.policy.mode == "static" and self._running:
+        background = [s for s in self._running.values() if s.priority >= p.background_level]
+        bg_slots, bg_reserved = len(background), sum(s.reserved for s in background)
+        order = sorted(self._waiting.values(), key=lambda s: (self._level(s, now), s.seq))
+        if p.mode == "static" and self._running:
             order = []  # the static baseline: nobody joins a batch that is still running
         for s in order:
-            room = len(self._running) + len(admit) < self.policy.max_running
-            fits = reserved + s.reserved <= self.policy.kv_budget_tokens
-            cheap = not admit or prefill + s.prompt_tokens <= self.policy.max_prefill_tokens
+            room = len(self._running) + len(admit) < p.max_running
+            fits = reserved + s.reserved <= p.kv_budget_tokens
+            cheap = not admit or prefill + s.prompt_tokens <= p.max_prefill_tokens
+            if s.priority >= p.background_level:  # last in the order: nothing else waits
+                room = room and bg_slots + 1 <= int(p.max_running * p.background_share)
+                fits = fits and bg_reserved + s.reserved <= p.kv_budget_tokens * p.background_share
+                bg_slots, bg_reserved = bg_slots + 1, bg_reserved + s.reserved
             if not (room and fits and cheap):
                 break  # head-of-line: nothing overtakes the next in line, so big requests get their turn
             admit.append(s)
@@ -175,6 +190,12 @@ class ContinuousScheduler:
             self.steps += 1
         return Step(admit, decode, evict)
 
+    def _level(self, s: Sequence, now: float) -> int:
+        """Its priority, improved by aging; background work keeps its own (it waits for idle capacity)."""
+        if s.priority >= self.policy.background_level:
+            return s.priority
+        return max(0, s.priority - int((now - s.arrival) / (self.policy.aging_ms / 1000.0)))
+
     def advance(self, seq_id: str, tokens: int = 1) -> None:
         """Record tokens a running sequence produced this step."""
         self._running[seq_id].generated += tokens
@@ -189,6 +210,9 @@ class ContinuousScheduler:
             return Finish.CANCELLED
         if s.deadline <= now:
             return Finish.DEADLINE
-        if s.reserved > self.policy.kv_budget_tokens:
+        budget = self.policy.kv_budget_tokens
+        if s.priority >= self.policy.background_level:
+            budget = int(budget * self.policy.background_share)  # what background work may ever hold
+        if s.reserved > budget:
             return Finish.TOO_LARGE
         return None

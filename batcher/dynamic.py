@@ -40,6 +40,12 @@ worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and the
   the oldest request of the lowest priority at or above ``codel_min_priority`` goes first.
 
 Service times come from an online ``ServiceTimeModel`` fed by ``observe``.
+
+**Background work** waits in a queue of its own (``BatchPolicy.for_background``: one level, no
+aging, no CoDel: it is deferred, never shed for load, and refused only once its completion window has
+passed), sharing the service-time model; a worker runs it only when this queue is empty, in batches
+predicted to finish within ``background_slice_ms``. An interactive request that arrives meanwhile
+waits for at most that one batch (or for one background request alone, should it take longer).
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar
 
 from kinfer.batcher.codel import CoDel
@@ -74,6 +81,9 @@ class BatchPolicy:
     codel_interval_ms: float = 500.0  # how long it must persist before shedding starts
     codel_min_priority: int = 1  # CoDel never sheds priorities below this (p0 is protected)
     levels: int = 3  # priority levels (0 is served first)
+    # The longest a batch of background work may be predicted to take: what an interactive request
+    # arriving while it runs may wait for it. On a GPU, about one forward pass of a full batch.
+    background_slice_ms: float = 50.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -95,6 +105,12 @@ class BatchPolicy:
             )
         if self.levels < 1:
             raise ValueError(f"levels must be >= 1, got {self.levels}")
+        if not self.background_slice_ms > 0:
+            raise ValueError(f"background_slice_ms must be > 0, got {self.background_slice_ms}")
+
+    def for_background(self) -> BatchPolicy:
+        """The policy of a background queue: one level, no aging, no CoDel, work-conserving."""
+        return replace(self, levels=1, mode="dynamic", aging_ms=math.inf, codel_target_ms=math.inf)
 
 
 class Reason(enum.StrEnum):

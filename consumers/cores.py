@@ -35,6 +35,7 @@ from kinfer.batcher import (
     DynamicBatcher,
     Finish,
     GenPolicy,
+    Pending,
     Reason,
     Sequence,
 )
@@ -154,6 +155,15 @@ class EngineCore(abc.ABC):
     def buffered(self) -> int:
         """Work fetched and not started (inputs or requests): what flow control bounds."""
 
+    def background_buffered(self) -> int:
+        """Of ``buffered``, background work (p3)."""
+        return 0
+
+    def background_room(self) -> int:
+        """How much background work to hold here (inputs or requests): enough for the next slice when
+        one ends; 0 takes none."""
+        return 0
+
     @abc.abstractmethod
     def has_work(self) -> bool:
         """Anything to run or to answer."""
@@ -194,6 +204,10 @@ class BatchCore(EngineCore):
         self._runner = runner
         self._counted = getattr(runner, "run_counted", None)  # runners that report each text's tokens
         self.batcher: DynamicBatcher[Job] = DynamicBatcher(policy)
+        # Background work (p3) waits apart, and runs only when the batcher above is empty, one slice at a
+        # time (``batcher.dynamic``): the two learn one service-time model.
+        self.background: DynamicBatcher[Job] = DynamicBatcher(policy.for_background(), self.batcher.service)
+        self._slice_s = policy.background_slice_ms / 1000.0
 
     @property
     def runner(self) -> Runner:
@@ -206,8 +220,9 @@ class BatchCore(EngineCore):
         if request.messages:
             raise InvalidRequest(f"model {self.name!r} ({self.spec.family}) does not chat: send inputs", "model")
         count = self._runner.count_tokens
-        self.batcher.add(
-            job, priority=int(request.priority), size=len(request.inputs),
+        background = request.priority.background
+        (self.background if background else self.batcher).add(
+            job, priority=0 if background else int(request.priority), size=len(request.inputs),
             longest=max(count(t) for t in request.inputs), deadline=job.deadline, now=now,
             enqueued=now - job.queue_ms / 1000.0,
         )
@@ -215,6 +230,8 @@ class BatchCore(EngineCore):
 
     def shed(self, now: float, free_at: float) -> list[Outgoing]:
         dropped = self.batcher.shed(now, free_at=free_at)
+        if self.background:  # only what its window has passed, or would pass before it could run
+            dropped += self.background.shed(now, free_at=free_at)
         self.observer.codel(self.name, self.batcher.shedding)
         replies = []
         for d in dropped:
@@ -226,6 +243,9 @@ class BatchCore(EngineCore):
     def next(self, now: float, max_s: float | None = None) -> Next:
         # The executor is free whenever the shell asks (one batch at a time): work-conserving.
         batch = self.batcher.next_batch(now, max_batch_s=max_s)
+        if batch is None and self.background:  # nothing interactive waits: one slice of background work
+            slice_s = self._slice_s if max_s is None else min(max_s, self._slice_s)
+            batch = self.background.next_batch(now, max_batch_s=slice_s)
         if batch is None:
             return Next(None)
         groups = [job.request.inputs for job in batch.payloads]
@@ -300,16 +320,26 @@ class BatchCore(EngineCore):
         return replies
 
     def revoke(self, partitions: set[Any]) -> int:
-        return len(self.batcher.remove(lambda p: p.payload.partition in partitions))
+        def lost(p: Pending[Job]) -> bool:
+            return p.payload.partition in partitions
+        return len(self.batcher.remove(lost)) + len(self.background.remove(lost))
 
     def buffered(self) -> int:
-        return self.batcher.pending_inputs
+        return self.batcher.pending_inputs + self.background.pending_inputs
+
+    def background_buffered(self) -> int:
+        return self.background.pending_inputs
+
+    def background_room(self) -> int:
+        return 2 * self.batcher.policy.max_batch_size  # the slice running and the next one
 
     def has_work(self) -> bool:
-        return bool(self.batcher)
+        return bool(self.batcher) or bool(self.background)
 
     def wake_at(self, now: float, idle: bool) -> float | None:
-        return self.batcher.wake_at(now, idle=idle)
+        times = [t for t in (self.batcher.wake_at(now, idle=idle), self.background.wake_at(now, idle=idle))
+                 if t is not None]
+        return min(times, default=None)
 
 
 # -- generation ---------------------------------------------------------------------------------
@@ -539,6 +569,14 @@ class GenCore(EngineCore):
 
     def buffered(self) -> int:
         return len(self.scheduler.waiting)
+
+    def background_buffered(self) -> int:
+        level = self.scheduler.policy.background_level
+        return sum(1 for s in self.scheduler.waiting if s.priority >= level)
+
+    def background_room(self) -> int:
+        p = self.scheduler.policy
+        return 2 * int(p.max_running * p.background_share)  # a free slot's next sequence, and the one after
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._drops)

@@ -38,6 +38,9 @@ def read_record(
         request = decode_request(value, limits)
         if verifier is not None:  # raises Refused (an InvalidRequest)
             verifier.check(value, headers, request.tenant, request.priority, priority)
+        if request.priority.background != priority.background:  # one tier's rules on the other's topic
+            raise InvalidRequest(f"a {request.priority.label} request on a {priority.label} topic: background "
+                                 "requests (p3) go to the p3 topic, and only they do", "priority")
         if request.model != model:
             raise InvalidRequest(f"model {request.model!r} sent to a topic of {model!r}", "model")
         route = request.reply

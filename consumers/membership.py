@@ -68,6 +68,23 @@ def leave_on_stop(consumer: AIOKafkaConsumer) -> None:
         coordinator._group_instance_id = None
 
 
+def _behind(consumer: AIOKafkaConsumer, partitions: list[TopicPartition]) -> bool:
+    """Whether any of ``partitions`` has records this consumer has not handed out yet, as of its last
+    fetch from them (not known, as before the first fetch: yes). Reads aiokafka's own partition state,
+    which ``position()`` would await and ``highwater()`` half exposes."""
+    try:
+        assignment = consumer._subscription.subscription.assignment
+        for tp in partitions:
+            state = assignment.state_value(tp)
+            if state is None or state.highwater is None or not state.has_valid_position:
+                return True
+            if state.position < state.highwater:
+                return True
+    except (AttributeError, AssertionError):  # an aiokafka that keeps it elsewhere: take no background work
+        return True
+    return False
+
+
 class Membership:
     """Joins, leaves and fetches for every feed of one worker; ``start`` before the first join."""
 
@@ -350,9 +367,14 @@ class Membership:
         an eighth below that. So a flood of batch traffic never locks out an interactive request,
         and lower priorities stay visible to the batcher (which can refuse them explicitly) for as
         long as there is room.
+
+        Background work (p3) is fetched from spare capacity only: while nothing of p0-p2 is buffered
+        here or waits on this worker's own p0-p2 partitions (aiokafka's position has reached the
+        high watermark of the last fetch), and only as much as the core holds for its next slices.
         """
         cap = self.settings.max_buffered_inputs
-        buffered = feed.core.buffered()
+        background = feed.core.background_buffered()
+        buffered = feed.core.buffered() - background
         held = set(feed.held)
         draining = feed.lifecycle.draining  # its place on the device is wanted: everything pauses
         for prio, share in _BUFFER_SHARE.items():
@@ -360,6 +382,12 @@ class Membership:
                 held.add(prio)
             elif buffered <= share * cap - cap / 8:
                 held.discard(prio)
+        spare = (not draining and buffered == 0 and background < feed.core.background_room()
+                 and not _behind(consumer, [tp for tp in consumer.assignment() if not feed.priority(tp).background]))
+        if spare:
+            held.discard(Priority.P3)
+        else:
+            held.add(Priority.P3)
         # Marks not read yet, careful partitions while a careful record is in flight; and while one is,
         # nothing else at all: it runs alone.
         guarded = set(consumer.assignment()) if feed.guard.quiet else feed.guard.held()

@@ -112,7 +112,7 @@ def health_decision(
     ``service_ms`` defaults to the model's recent batch compute time, and ``wait_ms`` to the
     predicted wait, both from the state (``expected_wait_ms`` brings the wait up to date).
     """
-    if health is None:
+    if health is None or priority.background:  # background work waits in Kafka for idle capacity, by design
         return ADMIT
     service_ms = health.service_ms if service_ms is None else service_ms
     if health.warm_replicas == 0 and health.cold_start_ms > 0:

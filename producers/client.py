@@ -443,6 +443,9 @@ class Client:
             admitted = self._admitted[key] = metrics.ADMITTED.labels(request.model, request.priority.label)
             for cause in metrics.REFUSAL_CAUSES:
                 metrics.REFUSED.labels(request.model, request.priority.label, cause)
+        if request.priority.background:  # deferred, never refused for load: it runs when capacity is idle
+            admitted.inc()
+            return
         health = self._health.get(request.model)
         sent = self._sent.setdefault(request.model, SendLog())
         now = now_ms()
@@ -484,7 +487,9 @@ class Client:
         first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
         sends = {self._spawn_send(topic, data, request, headers, first)}
         hedger.sent_one()
-        delay = hedger.delay_s(request.model) if partitions and len(partitions) > 1 else None
+        # Background work waits for idle capacity by design: a copy would only wait as well.
+        hedgeable = partitions and len(partitions) > 1 and not request.priority.background
+        delay = hedger.delay_s(request.model) if hedgeable else None
         copies = [(first, sent_at)]  # where each copy went, and when
         hedge_at = None if delay is None else sent_at + delay
         accepted = False
@@ -521,7 +526,7 @@ class Client:
         now = time.monotonic()
         if first is not None and len(copies) == 1:
             hedger.board.answered(topic, first, now)
-        if result.status is Status.OK:
+        if result.status is Status.OK and not request.priority.background:
             hedger.observe(request.model, now - sent_at)
         return result
 

@@ -153,9 +153,10 @@ async def offset_clients(bootstrap: str) -> AsyncIterator[tuple[AIOKafkaAdminCli
 class Offsets:
     lag: tuple[int, int, int]  # records waiting, per priority (p0, p1, p2)
     log_end: tuple[int, int, int]  # records ever written, per priority
-    committed_total: int  # records done, all priorities
+    committed_total: int  # records done, p0-p2
     partitions: int = 0  # of each request topic (the fewest, should they differ)
     by_partition: dict[TopicPartition, tuple[int, int]] = field(default_factory=dict)  # (log end, committed)
+    background: int = 0  # records waiting in the background topic (p3): not in ``lag``, nor ``by_partition``
 
 
 async def read_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, model: str) -> Offsets | None:
@@ -192,13 +193,14 @@ async def read_offsets_many(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsum
         if floor is not None:
             for tp in mine:  # never past the log's end: a topic deleted and created again starts over
                 done[tp] = floor[tp] = min(max(done[tp], floor.get(tp, 0)), ends[tp])
-        lag, end = [0, 0, 0], [0, 0, 0]
+        lag, end = [0, 0, 0, 0], [0, 0, 0, 0]
         for tp in mine:
             p = int(parse_request_topic(tp.topic)[1])
             lag[p] += max(0, ends[tp] - done[tp])
             end[p] += ends[tp]
-        out[model] = Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]), sum(done.values()),
-                             min(counts[model]), {tp: (ends[tp], done[tp]) for tp in mine})
+        interactive = {tp: (ends[tp], done[tp]) for tp in mine if not parse_request_topic(tp.topic)[1].background}
+        out[model] = Offsets((lag[0], lag[1], lag[2]), (end[0], end[1], end[2]),
+                             sum(done[tp] for tp in interactive), min(counts[model]), interactive, lag[3])
     return out
 
 

@@ -64,10 +64,14 @@ class Limits:
     # deadline is far away would stay a live request (redelivered, retried, holding its partition's
     # commits) for as long; an hour covers any interactive call, a long generation included.
     max_deadline_span_ms: int = 3_600_000
+    # The same for background requests (p3), whose deadline is a completion window: a day, as batch
+    # APIs give. Such a record holds its partition's commits only while it is fetched, never longer
+    # than one slice, because a worker fetches background work only when it can run it at once.
+    max_background_span_ms: int = 86_400_000
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_inputs", "max_text_chars", "max_params", "max_param_chars",
-                     "max_deadline_span_ms"):
+                     "max_deadline_span_ms", "max_background_span_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)}")
 
@@ -137,7 +141,7 @@ class Request(msgspec.Struct, frozen=True, tag="req", tag_field="t"):
 
     id: RequestId  # unique per request; the correlation key and the idempotency key
     model: ModelName  # served model name
-    priority: Priority  # p0 interactive .. p2 batch
+    priority: Priority  # p0 interactive .. p2 batch; p3 background
     tenant: TenantName  # who asked; quotas and metrics are per tenant
     created_ms: EpochMs  # wall-clock ms when the client created it
     deadline_ms: EpochMs  # wall-clock ms after which a result is useless
@@ -359,10 +363,9 @@ def decode_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
     request = _decode(_requests, data, limits.max_message_bytes)
     if request.deadline_ms <= request.created_ms:
         raise InvalidRequest("need 0 < created_ms < deadline_ms", "deadline_ms")
-    if (span := request.deadline_ms - request.created_ms) > limits.max_deadline_span_ms:
-        raise InvalidRequest(
-            f"deadline_ms is {span} ms after created_ms, over the limit of {limits.max_deadline_span_ms}", "deadline_ms"
-        )
+    longest = limits.max_background_span_ms if request.priority is Priority.P3 else limits.max_deadline_span_ms
+    if (span := request.deadline_ms - request.created_ms) > longest:
+        raise InvalidRequest(f"deadline_ms is {span} ms after created_ms, over the limit of {longest}", "deadline_ms")
     if request.messages:
         if request.inputs:
             raise InvalidRequest("a chat carries its turns in messages, and no inputs", "inputs")

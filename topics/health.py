@@ -64,6 +64,9 @@ class HealthState(Record, frozen=True):
     # While cold: how long until a worker should have it warm (its workers' last measured swap-in from
     # the tier its weights are in; 0: no worker has measured one).
     cold_start_ms: Millis = 0.0
+    # Records waiting in the background topic (p3): work that waits for idle capacity by design. Not
+    # in ``lag`` (no interactive request waits behind it); the autoscaler keeps a worker while it is not 0.
+    background_lag: Count = 0
 
 
 class LevelChange(Record, frozen=True, array_like=True):

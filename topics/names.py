@@ -1,6 +1,8 @@
 """Topic and channel names: the one place that spells them.
 
     infer.<model>.p0 | p1 | p2     requests, by priority (p0 interactive, p1 standard, p2 batch)
+    infer.<model>.p3               background requests: served only from spare capacity, within a
+                                   completion window instead of a deadline
     infer.dlq                      dead letters: records that failed validation, with a reason header
     replies.<name>                 durable reply topics, one per client group
     kinfer:reply:<tenant>:<id>     Redis pub/sub reply channels, one per client instance
@@ -49,17 +51,22 @@ class Priority(enum.IntEnum):
     P0 = 0  # interactive
     P1 = 1  # standard
     P2 = 2  # batch
+    P3 = 3  # background: served only from capacity the others leave idle; never shed for load
 
     @property
     def label(self) -> str:
         return f"p{self.value}"
+
+    @property
+    def background(self) -> bool:
+        return self is Priority.P3
 
     @classmethod
     def parse(cls, value: int | str) -> Priority:
         if isinstance(value, str):
             text = value.lower().removeprefix("p")
             if not text.isdigit():
-                raise ValueError(f"priority must be p0, p1 or p2, got {value!r}")
+                raise ValueError(f"priority must be p0, p1, p2 or p3, got {value!r}")
             value = int(text)
         return cls(value)
 
@@ -81,7 +88,7 @@ def request_topic(model: str, priority: Priority | int) -> str:
 
 
 def request_topics(model: str) -> list[str]:
-    """All request topics of one model, highest priority first."""
+    """All request topics of one model, highest priority first (the background topic last)."""
     return [request_topic(model, p) for p in Priority]
 
 

@@ -28,7 +28,7 @@ ANSWERED_PREFIX = "kinfer:answered:"
 ANSWERED_EVERY_S = 1.0  # a worker writes its report at least this often while it owns partitions
 ANSWERED_FRESH_MS = 3_000  # a report older than this is no evidence (its worker may be gone or paused)
 ANSWERED_FORGET_MS = 600_000  # one this old is a dead worker's: removed by the lag monitor
-MAX_POSITIONS = 3 * 4_096  # partitions one report may name: three priorities of 4,096 partitions
+MAX_POSITIONS = 4 * 4_096  # partitions one report may name: four priorities of 4,096 partitions
 
 
 def answered_key(model: str) -> str:
@@ -38,7 +38,7 @@ def answered_key(model: str) -> str:
 class Position(Record, frozen=True, array_like=True):
     """One partition of a model's request topics (by priority) and the answered position in it."""
 
-    priority: Annotated[int, msgspec.Meta(ge=0, le=2)]
+    priority: Annotated[int, msgspec.Meta(ge=0, le=3)]
     partition: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
     position: Count
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 from typing import Any
 
@@ -13,6 +14,8 @@ from kinfer.consumers.runners.registry import BUILTIN, FAMILIES
 from kinfer.consumers.worker import WorkerSettings
 from kinfer.ops.cli.common import Command, add_settings_args, settings_from_args
 from kinfer.ops.cli.endpoints import endpoints
+
+log = logging.getLogger(__name__)
 
 # Flags generated from settings classes: the class holds each default (one source), the CLI the help.
 POLICY_FLAGS = {
@@ -24,6 +27,8 @@ POLICY_FLAGS = {
     "max_padding_ratio": "padded/real tokens a batch may reach (length bucketing)",
     "codel_target_ms": "acceptable standing-queue sojourn (inf: CoDel off)",
     "codel_interval_ms": "how long a standing queue must last before CoDel sheds",
+    "background_slice_ms": "background work (p3) runs in batches predicted to take at most this: what an "
+                           "interactive request arriving meanwhile may wait for it",
 }
 WORKER_FLAGS = {
     "device": "auto: CUDA when torch sees a GPU, else CPU",
@@ -91,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from kinfer.consumers.runners import resolve_model
     from kinfer.consumers.worker import Worker
     from kinfer.topics.admin import ensure_topics, missing_topics, model_topic_specs, shared_topic_specs
-    from kinfer.topics.names import request_topics
+    from kinfer.topics.names import parse_request_topic, request_topics
 
     bootstrap, redis_url = endpoints()
     options = {**_options(args.option), **({"runtime": args.runtime} if args.runtime else {})}
@@ -117,8 +122,14 @@ def run(args: argparse.Namespace) -> int:
             await ensure_topics(bootstrap, topics)
         else:  # a worker without its topics would idle forever with 0 partitions: say so instead
             missing = await missing_topics(bootstrap, [t for spec in specs for t in request_topics(spec.name)])
-            if missing:
-                names = " ".join(f"--model {spec.name}" for spec in specs)
+            names = " ".join(f"--model {spec.name}" for spec in specs)
+            # The background topic came later than the others: a deployment may not have it yet. The worker
+            # serves the rest meanwhile.
+            later = [t for t in missing if parse_request_topic(t)[1].background]
+            if later:
+                log.warning("no background topics %s: create them with `kinfer topics %s`, then restart the worker; "
+                            "it serves p0-p2 meanwhile", ", ".join(later), names)
+            if missing := [t for t in missing if t not in later]:
                 raise ValueError(f"no topics {', '.join(missing)}: create them with `kinfer topics {names}` "
                                  "or start the worker with --create-topics")
         worker = Worker(settings)

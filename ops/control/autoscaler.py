@@ -172,7 +172,7 @@ class AutoscaleLoop:
         replicas = await self.pool.replicas()
         obs = Observation(time.monotonic(), state.arrival_rps, estimator.queued(), state.lag, replicas,
                           monitor.partitions[self.model], capacity_rps=state.capacity_rps,
-                          serving=stats.workers if stats is not None else 0)
+                          serving=stats.workers if stats is not None else 0, background=state.background_lag)
         rec = self.scaler.observe(obs)
         REPLICAS.labels(self.model).set(rec.replicas)
         RECOMMENDED.labels(self.model).set(rec.raw)

@@ -206,7 +206,8 @@ class HealthEstimator:
             self._below_since = None
 
     def state(self, model: str, updated_ms: int, *, lag_by_priority: tuple[int, int, int] = (0, 0, 0),
-              service_ms: float = 0.0, warm_replicas: int = -1, cold_start_ms: float = 0.0) -> HealthState:
+              service_ms: float = 0.0, warm_replicas: int = -1, cold_start_ms: float = 0.0,
+              background_lag: int = 0) -> HealthState:
         """What producers are told: the level and the estimate it was decided on, as of ``updated_ms``,
         each number within the range the record holds it to (a wait beyond ``MAX_DURATION_MS`` reads
         as that: every deadline is shorter)."""
@@ -218,7 +219,7 @@ class HealthEstimator:
             arrival_by_priority=(clamp_rps(self.arrival_by_priority[0]), clamp_rps(self.arrival_by_priority[1]),
                                  clamp_rps(self.arrival_by_priority[2])),
             service_ms=clamp_ms(service_ms), capacity_rps=clamp_rps(self.capacity_rps),
-            warm_replicas=warm_replicas, cold_start_ms=clamp_ms(cold_start_ms),
+            warm_replicas=warm_replicas, cold_start_ms=clamp_ms(cold_start_ms), background_lag=_count(background_lag),
         )
 
     def retry_after_ms(self) -> int:

@@ -58,7 +58,8 @@ from kinfer.topics.stats import ModelStats, stats_key
 
 log = logging.getLogger(__name__)
 
-LAG = Gauge("kinfer_lag_records", "Records waiting in a model's request topics", ["model"])
+LAG = Gauge("kinfer_lag_records", "Records waiting in a model's request topics (p0-p2)", ["model"])
+BACKGROUND_LAG = Gauge("kinfer_background_lag_records", "Records waiting in a model's background topic (p3)", ["model"])
 LEVEL = Gauge("kinfer_health_level", "0 ok, 1 degraded, 2 shedding, 3 rejecting", ["model"])
 LEVEL_CHANGES = Counter("kinfer_health_level_changes_total", "Level changes", ["model", "to"])
 PREDICTED_WAIT = Gauge("kinfer_predicted_wait_seconds", "Queueing a new request should expect now (what admission "
@@ -254,7 +255,8 @@ class LagMonitor:
             )
             state = estimator.state(model, measured, lag_by_priority=offsets.lag,
                                     service_ms=stats.service_ms if stats else 0.0, warm_replicas=warm,
-                                    cold_start_ms=cold_starts[model] if cold else 0.0)
+                                    cold_start_ms=cold_starts[model] if cold else 0.0,
+                                    background_lag=offsets.background)
             previous = self.states.get(model)
             if previous is None or previous.level != level:
                 LEVEL_CHANGES.labels(model, level.name.lower()).inc()
@@ -285,6 +287,7 @@ def export_state(state: HealthState) -> None:
     """The state as Prometheus gauges (the dashboard's lag, level, predicted wait, rates, cold starts)."""
     model = state.model
     LAG.labels(model).set(state.lag)
+    BACKGROUND_LAG.labels(model).set(state.background_lag)
     LEVEL.labels(model).set(int(state.level))
     PREDICTED_WAIT.labels(model).set(state.predicted_wait_ms / 1000.0)
     ARRIVAL.labels(model).set(state.arrival_rps)
@@ -296,7 +299,7 @@ def export_state(state: HealthState) -> None:
 
 def _unexport(model: str) -> None:
     """A model no longer tracked leaves no series behind."""
-    for gauge in (LAG, LEVEL, PREDICTED_WAIT, ARRIVAL, DRAIN, CAPACITY, WARM, COLD_START):
+    for gauge in (LAG, BACKGROUND_LAG, LEVEL, PREDICTED_WAIT, ARRIVAL, DRAIN, CAPACITY, WARM, COLD_START):
         with contextlib.suppress(KeyError):
             gauge.remove(model)
     for level in Level:

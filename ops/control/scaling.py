@@ -21,6 +21,10 @@ only to the highest recommendation of the last ``down_window_s``, and not within
 model scales to zero once nothing has arrived for the window, and is activated (no cooldown) by
 the first record that waits: that request pays the cold start (a worker's start, load, warm-up and
 group join), which ``kinfer bench autoscale`` measures as ``scale_up_s``.
+
+Background work (p3) is served from capacity the load above leaves idle: it adds nothing to the
+load, so it never scales a model up, but a model with background records waiting keeps (or is
+activated to) one replica: it scales to zero only when both queues are empty.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class Observation:
     partitions: int  # partitions of each of the model's request topics (a member beyond them idles)
     capacity_rps: float = 0.0  # records/s the serving replicas drain while busy, all together (0: unknown)
     serving: int = 0  # replicas the capacity was measured on (0: ``replicas``)
+    background: int = 0  # records waiting in the background topic: keep one replica, add none for them
 
 
 class Reason(enum.StrEnum):
@@ -176,7 +181,7 @@ class Autoscaler:
                    else math.inf if obs.queued > 0 else 0.0)
         backlog_rps = obs.queued / p.drain_s if wait_ms > p.max_wait_ms else 0.0
         load = self.arrival_rps + backlog_rps
-        busy = obs.lag > 0 or self.arrival_rps >= IDLE_RPS
+        busy = obs.lag > 0 or self.arrival_rps >= IDLE_RPS or obs.background > 0
 
         raw = min(max(self._replicas_for(load, obs.replicas, busy), p.min_replicas), ceiling)
         arrivals_alone = min(self._replicas_for(self.arrival_rps, obs.replicas, busy), ceiling)

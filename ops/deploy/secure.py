@@ -97,7 +97,7 @@ class Secrets:
         for name, best in tenants.items():
             check_tenant_name(name)
             if best not in PRIORITIES:
-                raise ValueError(f"tenant {name!r}: best priority must be 0, 1 or 2, got {best}")
+                raise ValueError(f"tenant {name!r}: best priority must be 0, 1, 2 or 3, got {best}")
         principals = [*SERVICE_PRINCIPALS, *(tenant_principal(t) for t in tenants)]
         # Hex: safe unquoted in a JAAS line, a Redis ACL rule, a URL and StorageTool's --add-scram.
         return cls({p: _random.token_hex(24) for p in principals}, _random.token_hex(32), tenants)

@@ -18,10 +18,10 @@ def test_levels_refuse_lowest_priorities_first() -> None:
         level: [health_decision(state(level), p, 1_000, 10).admit for p in Priority]
         for level in Level
     }
-    assert admits[Level.OK] == [True, True, True]
-    assert admits[Level.DEGRADED] == [True, True, True]
-    assert admits[Level.SHEDDING] == [True, True, False]
-    assert admits[Level.REJECTING] == [True, False, False]
+    assert admits[Level.OK] == [True, True, True, True]
+    assert admits[Level.DEGRADED] == [True, True, True, True]
+    assert admits[Level.SHEDDING] == [True, True, False, True]  # background work is never refused for load
+    assert admits[Level.REJECTING] == [True, False, False, True]
     refused = health_decision(state(Level.SHEDDING), Priority.P2, 1_000, 10)
     assert refused.retry_after_s == 1.5 and "shedding p2" in refused.reason
 

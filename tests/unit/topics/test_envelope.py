@@ -76,7 +76,7 @@ def test_result_round_trip_keeps_float32_embeddings() -> None:
         ({"id": "has space"}, "id"),
         ({"id": KeyError}, "id"),
         ({"model": "Bad.Model"}, "model"),
-        ({"priority": 3}, "priority"),
+        ({"priority": 4}, "priority"),
         ({"priority": True}, "priority"),
         ({"tenant": ""}, "tenant"),
         ({"deadline_ms": 1_600_000_000_000}, "deadline_ms"),

@@ -15,7 +15,7 @@ from kinfer.topics.names import (
 
 def test_request_topics_are_per_model_and_priority() -> None:
     assert request_topic("minilm", Priority.P0) == "infer.minilm.p0"
-    assert request_topics("m-1") == ["infer.m-1.p0", "infer.m-1.p1", "infer.m-1.p2"]
+    assert request_topics("m-1") == ["infer.m-1.p0", "infer.m-1.p1", "infer.m-1.p2", "infer.m-1.p3"]
     assert parse_request_topic("infer.m-1.p2") == ("m-1", Priority.P2)
     assert consumer_group("minilm") == "kinfer.worker.minilm"
     assert redis_reply_channel("search", "abc") == "kinfer:reply:search:abc"

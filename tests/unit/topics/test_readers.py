@@ -287,7 +287,7 @@ def test_answered_reports_count_when_fresh_take_the_highest_position_and_bad_one
         b"stale": Answered("w4", NOW - 700_000, [Position(0, 0, 10_000)]).pack(),
         b"future": Answered("w5", NOW + 3_600_000, [Position(0, 0, 10_000)]).pack(),
         b"negative": with_field(Answered("w6", NOW, []), positions=[[0, 0, -1]]),
-        b"priority": with_field(Answered("w6", NOW, []), positions=[[3, 0, 5]]),
+        b"priority": with_field(Answered("w6", NOW, []), positions=[[4, 0, 5]]),
         b"nested": nested(20_000),
     }
     positions, gone = read_answered(raw, NOW)

@@ -131,6 +131,13 @@ def nested(depth: int, opener: bytes) -> bytes:
     return opener * depth + b"\xc0"
 
 
+def map_with_one_more(entries: dict[str, object]) -> bytes:
+    """``entries`` as a msgpack map whose header counts one entry more, for the caller to append."""
+    n = len(entries) + 1
+    header = bytes([0x80 + n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+    return header + b"".join(msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in entries.items())
+
+
 @pytest.mark.parametrize("cls", TYPES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("opener", [b"\x91", b"\x81\xa1k"], ids=["arrays", "maps"])
 def test_nesting_100000_deep_is_refused_wherever_it_hides(cls: type[Record], opener: bytes) -> None:
@@ -143,9 +150,7 @@ def test_nesting_100000_deep_is_refused_wherever_it_hides(cls: type[Record], ope
         places = ["zzz", *wire]
         for place in places:
             rest = {k: v for k, v in wire.items() if k != place}
-            head = msgpack.packb(rest, use_bin_type=True)
-            assert head[0] & 0xF0 == 0x80 and len(rest) < 15  # a fixmap: one more entry in the header
-            data = bytes([head[0] + 1]) + head[1:] + msgpack.packb(place) + deep
+            data = map_with_one_more(rest) + msgpack.packb(place) + deep
             got = outcome(cls, data)
             assert isinstance(got, MalformedRecord), place
             # Too long for the record, too deep, or not of the field's type at the first level.
@@ -164,9 +169,9 @@ def test_nesting_as_deep_as_fits_under_an_unknown_key_is_refused_as_too_deep(cls
     wire = msgspec_builtins(next(r for r in VALID if type(r) is cls))
     if not isinstance(wire, dict):
         return  # an array_like record has no unknown keys (an extra element is refused as such)
-    head = msgpack.packb(wire, use_bin_type=True)
+    head = map_with_one_more(wire)
     depth = min(DEPTH, cls.max_bytes - len(head) - 8)
-    data = bytes([head[0] + 1]) + head[1:] + b"\xa3zzz" + nested(depth, b"\x91")
+    data = head + b"\xa3zzz" + nested(depth, b"\x91")
     got = outcome(cls, data)
     if depth > 2_000:  # beyond the interpreter's recursion limit
         assert isinstance(got, MalformedRecord) and got.reason == "depth"
@@ -261,7 +266,7 @@ def test_names_lengths_and_tiers_are_held_to_their_patterns() -> None:
                 {"models": [{"model": "a", "tier": "disk"}] * 257}):
         assert outcome(WorkerResidency, msgpack.packb({**base, **bad})).reason in {"schema", "size"}  # type: ignore[union-attr]
     answered = msgspec_builtins(VALID[-1])
-    for bad in ({"positions": [[3, 0, 1]]}, {"positions": [[0, -1, 1]]}, {"positions": [[0, 0, -1]]},
+    for bad in ({"positions": [[4, 0, 1]]}, {"positions": [[0, -1, 1]]}, {"positions": [[0, 0, -1]]},
                 {"positions": [[0, 0, 2**63]]}, {"positions": [[0, 0]]}, {"worker": "bad worker"},
                 {"positions": [[0, 0, 1]] * (MAX_POSITIONS + 1)}):
         assert outcome(Answered, msgpack.packb({**answered, **bad})).reason in {"schema", "size"}  # type: ignore[union-attr]

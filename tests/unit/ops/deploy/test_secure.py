@@ -47,10 +47,10 @@ def test_every_record_is_one_kafka_can_create() -> None:
 def test_a_tenant_writes_only_the_priorities_its_ceiling_allows() -> None:
     for model in [*MODELS, "not-listed"]:
         topics = [request_topic(model, p) for p in sec.PRIORITIES]
-        assert [may("tenant-fast", "WRITE", t) for t in topics] == [True, True, True]  # p0: the prefix
+        assert [may("tenant-fast", "WRITE", t) for t in topics] == [True, True, True, True]  # p0: the prefix
         listed = model in MODELS
-        assert [may("tenant-demo", "WRITE", t) for t in topics] == [False, listed, listed]
-        assert [may("tenant-bulk", "WRITE", t) for t in topics] == [False, False, listed]
+        assert [may("tenant-demo", "WRITE", t) for t in topics] == [False, listed, listed, listed]
+        assert [may("tenant-bulk", "WRITE", t) for t in topics] == [False, False, listed, listed]
     # A p2 tenant has no ACL at all on any p0 or p1 topic (not even DESCRIBE: it cannot tell they exist).
     for acl in sec.tenant_acls("bulk", 2, MODELS):
         assert not acl.name.endswith((".p0", ".p1")) and acl.name != REQUEST_PREFIX
@@ -134,7 +134,7 @@ def test_tenant_names_are_checked() -> None:
         with pytest.raises(ValueError):
             sec.tenant_principal(bad)
     with pytest.raises(ValueError):
-        sec.tenant_acls("demo", 3, MODELS)
+        sec.tenant_acls("demo", 4, MODELS)
 
 
 # ---------------------------------------------------------------------------------------------
