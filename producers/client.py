@@ -397,6 +397,26 @@ class Client:
             if not buffer.finished:
                 await self._cancel(model, request.id)
 
+    def _sign(self, request: Request, data: bytes) -> list[tuple[str, bytes]] | None:
+        """The signature headers for ``request`` when this client signs (else None)."""
+        if self.settings.signer is None:
+            return None
+        try:
+            return self.settings.signer.headers(request.tenant, data)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "tenant") from exc
+
+    async def submit(self, request: Request) -> None:
+        """Publish a request whose reply goes where it says, to someone else (the Batch API's runner reads
+        a batch's reply topic): the broker's acknowledgement is the whole answer. Checked as ``infer``
+        checks its own; signed for its tenant when this client signs."""
+        data = pack(request)
+        decode_request(data, self.settings.limits)
+        topic = request_topic(request.model, request.priority)
+        headers = self._sign(request, data)
+        await self._check_topic(topic, request)
+        await self._publish(topic, data, request, headers)
+
     async def _prepare(
         self, model: str, inputs: str | Sequence[str], priority: Priority | int, deadline_ms: int | None,
         params: dict[str, Any] | None, request_id: str | None, stream: bool, tenant: str | None = None,
@@ -421,12 +441,7 @@ class Client:
         data = pack(request)
         decode_request(data, self.settings.limits)  # the worker's own check: fail here, not there
         topic = request_topic(model, request.priority)
-        headers = None
-        if self.settings.signer is not None:
-            try:
-                headers = self.settings.signer.headers(request.tenant, data)
-            except ValueError as exc:
-                raise InvalidRequest(str(exc), "tenant") from exc
+        headers = self._sign(request, data)
         await self._check_topic(topic, request)
         return request, data, topic, headers
 

@@ -7,6 +7,7 @@
     POST /v1/embeddings               OpenAI-compatible
     POST /v1/completions              OpenAI-compatible (``stream: true`` for SSE)
     POST /v1/chat/completions         OpenAI-compatible chat (``stream: true`` for SSE)
+    /v1/files, /v1/batches            OpenAI's Files and Batch API, on the background tier (``batch_api``)
     GET  /healthz  /readyz  /metrics  /openapi.json  /docs
 
 Every request goes through the same ``Client`` (same validation, same typed errors), under the
@@ -32,11 +33,14 @@ The gateway's modules, by concern:
     gateway_pipeline.py   authenticate → decode → admit → call → render, which every route goes through
     native_api.py         kinfer's own routes: infer, stream, the WebSocket
     openai_api.py         the OpenAI-compatible routes: models, embeddings, completions, chat completions
+    batch_api.py          OpenAI's Files and Batch API (``batches.py``: its state in Kafka, and its runner)
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -47,6 +51,8 @@ from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
 from kinfer.producers import metrics, native_api, openai_api
+from kinfer.producers.batch_api import BatchAPI, CreateBatchBody
+from kinfer.producers.batches import BatchRunner, BatchStore
 from kinfer.producers.gateway_pipeline import (
     MAX_TIMEOUT_MS,
     MIN_TIMEOUT_MS,
@@ -70,7 +76,7 @@ _ERRORS = {400: "invalid request", 404: "unknown model", 429: "rate limited or o
 
 def create_app(settings: GatewaySettings) -> Starlette:
     gw = Gateway(settings)
-    probes, models = _Probes(gw), Models(gw)
+    probes, models, batch = _Probes(gw), Models(gw), BatchAPI(gw)
     # The one route table: it builds both the app and its OpenAPI document.
     table: list[tuple[str, str, Any, Doc]] = [
         ("GET", "/healthz", probes.healthz, Doc("liveness", auth=False)),
@@ -91,6 +97,17 @@ def create_app(settings: GatewaySettings) -> Starlette:
         ("POST", "/v1/chat/completions", gw.endpoint(openai_api.CHAT_COMPLETIONS),
          Doc("OpenAI-compatible chat completions (stream: true for SSE)", ChatCompletionsBody, _ERRORS,
              timeout_header=True)),
+        ("POST", "/v1/files", batch.upload, Doc("upload a batch input file (multipart: purpose=batch, file)",
+                                                 responses={400: "not a batch file", 413: "over 64 MiB"})),
+        ("GET", "/v1/files", batch.list_files, Doc("the caller's files")),
+        ("GET", "/v1/files/{file_id}", batch.get_file, Doc("one file", responses={404: "no such file"})),
+        ("GET", "/v1/files/{file_id}/content", batch.content,
+         Doc("a file's bytes (a batch's output or error file)", responses={404: "no such file"})),
+        ("POST", "/v1/batches", batch.create, Doc("start a batch", CreateBatchBody, {400: "invalid"})),
+        ("GET", "/v1/batches", batch.list_batches, Doc("the caller's batches, newest first")),
+        ("GET", "/v1/batches/{batch_id}", batch.get_batch, Doc("one batch", responses={404: "no such batch"})),
+        ("POST", "/v1/batches/{batch_id}/cancel", batch.cancel,
+         Doc("cancel a batch", responses={404: "no such batch", 409: "already ended"})),
     ]
     document = openapi("kinfer gateway", "1", [(m, p, d) for m, p, _, d in table], (MIN_TIMEOUT_MS, MAX_TIMEOUT_MS))
 
@@ -103,7 +120,22 @@ def create_app(settings: GatewaySettings) -> Starlette:
     routes: list[Any] = [Route(path, endpoint, methods=[method]) for method, path, endpoint, _ in table]
     routes += [Route("/openapi.json", openapi_json, methods=["GET"]), Route("/docs", docs, methods=["GET"]),
                WebSocketRoute("/v1/models/{model}/ws", WebSocketAPI(gw).serve)]
-    return Starlette(routes=routes, lifespan=gw.lifespan, exception_handlers={
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with gw.lifespan(app):
+            store = BatchStore(settings.bootstrap)
+            await store.start()
+            runner = BatchRunner(store, gw.client)
+            runner.start()
+            gw.batches = store
+            try:
+                yield
+            finally:
+                gw.batches = None
+                await runner.close()
+                await store.close()
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         KinferError: _kinfer_error, BadBody: _bad_body, Unauthorized: _unauthorized, HTTPException: _http_error,
         Exception: _internal,
     })

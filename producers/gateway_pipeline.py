@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -56,6 +56,9 @@ from kinfer.topics import (
 )
 from kinfer.topics.auth import Signer, signing_secrets
 from kinfer.topics.envelope import DEFAULT_LIMITS
+
+if TYPE_CHECKING:  # the store's module imports the OpenAI routes, which import this one
+    from kinfer.producers.batches import BatchStore
 
 DEFAULT_TIMEOUT_MS = 30_000
 MIN_TIMEOUT_MS = 1_000  # below this an HTTP round trip plus a forward pass is not a fair promise
@@ -233,6 +236,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self._client: Client | None = None
+        self.batches: BatchStore | None = None  # the Batch API's files and batches, once started
         # Tenants' buckets in Redis, shared by every gateway (their own bucket while Redis does not answer).
         self.limiter = RedisRateLimiter.from_url(settings.redis_url) if settings.tenants is not None else None
 

@@ -253,16 +253,21 @@ async def _embed(call: Admitted, body: EmbeddingsBody) -> Result:
 
 
 def _render_embeddings(body: EmbeddingsBody, result: Result) -> Response:
+    return json_response(embeddings_answer(body, result))
+
+
+def embeddings_answer(body: EmbeddingsBody, result: Result) -> dict[str, Any]:
+    """OpenAI's embeddings response for a result (the HTTP route's and a batch's output line's)."""
     if not all(isinstance(v, list) for v in result.outputs):
         raise InvalidRequest(f"model {body.model!r} does not produce embeddings", "model")
     # The tokenizer's count where the model reports it; else words, the nearest thing without one.
     tokens = result.tokens or sum(len(t.split()) for t in body.texts())
-    return json_response({
+    return {
         "object": "list", "model": body.model,
         "data": [{"object": "embedding", "index": i, "embedding": _vector(v, body.encoding_format)}
                  for i, v in enumerate(result.outputs)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    })
+    }
 
 
 def _vector(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -300,11 +305,15 @@ class CompletionForm(abc.ABC):
         """The one choice of a streamed chunk."""
 
     def whole(self, result: Result) -> Response:
+        return json_response(self.answer(result))
+
+    def answer(self, result: Result) -> dict[str, Any]:
+        """The whole answer for a result (the HTTP route's and a batch's output line's)."""
         out = result.outputs[0] if result.outputs else None
         if not isinstance(out, dict) or "text" not in out:
             raise InvalidRequest(f"model {self.model!r} is not a generative model", "model")
-        return json_response({**self.head, "choices": [self.choice(out["text"], _finish(out["finish"]))],
-                              "usage": _usage(out["prompt_tokens"], out["completion_tokens"])})
+        return {**self.head, "choices": [self.choice(out["text"], _finish(out["finish"]))],
+                "usage": _usage(out["prompt_tokens"], out["completion_tokens"])}
 
     def events(self, chunk: Chunk) -> list[dict[str, Any]]:
         """The events one chunk stands for."""

@@ -12,6 +12,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import KafkaError
 
+from kinfer.topics.batches import BATCHES_TOPIC, CHUNK_BYTES, FILES_TOPIC
 from kinfer.topics.connect import kafka_options
 from kinfer.topics.errors import Unavailable
 from kinfer.topics.names import DEFAULT_REPLY_TOPIC, DLQ_TOPIC, consumer_group, parse_request_topic, request_topics
@@ -54,7 +55,8 @@ def model_topic_specs(model: str, partitions: int, replication: int = 0, min_ins
 
 
 def shared_topic_specs(replication: int = 0, reply_partitions: int = 3, min_insync: int = 0) -> list[TopicSpec]:
-    """The topics every deployment needs: the dead-letter topic, the default reply topic, telemetry."""
+    """The topics every deployment needs: the dead-letter topic, the default reply topic, telemetry, and
+    the Batch API's files and batches."""
     return [
         TopicSpec(DLQ_TOPIC, 1, replication, {"retention.ms": str(7 * 24 * 3600 * 1000)}, min_insync),
         # Replies matter for seconds: keep an hour, so a reconnecting client cannot drown in them.
@@ -62,7 +64,15 @@ def shared_topic_specs(replication: int = 0, reply_partitions: int = 3, min_insy
         # Batch statistics feed windowed tables; a day is plenty to rebuild them. One partition: one
         # telemetry processor sees every model (its tables are small).
         TopicSpec(STATS_TOPIC, 1, replication, {"retention.ms": str(24 * 3600 * 1000)}, min_insync),
+        *batch_topic_specs(replication, min_insync),
     ]
+
+
+def batch_topic_specs(replication: int = 0, min_insync: int = 0) -> list[TopicSpec]:
+    """The Batch API's files and batches: compacted (each key's latest record stays), one partition each."""
+    compacted = {"cleanup.policy": "compact", "max.message.bytes": str(2 * CHUNK_BYTES)}
+    return [TopicSpec(FILES_TOPIC, 1, replication, compacted, min_insync),
+            TopicSpec(BATCHES_TOPIC, 1, replication, compacted, min_insync)]
 
 
 async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec]) -> dict[str, int]:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 
+from kinfer.topics.batches import BATCH_REPLY_PREFIX, BATCH_RUNNER_GROUP, BATCHES_TOPIC, FILES_TOPIC
 from kinfer.topics.connect import kafka_options, tls_closes_settled
 from kinfer.topics.health import HEALTH_TOPIC
 from kinfer.topics.names import (
@@ -468,6 +469,12 @@ def service_acls(telemetry_app_id: str = TELEMETRY_APP_ID) -> list[Acl]:
         # check) and reads the default reply topic by assigned partitions (no group).
         *_grant(GATEWAY, "TOPIC", REQUEST_PREFIX, "PREFIXED", "WRITE", "DESCRIBE"),
         *_grant(GATEWAY, "TOPIC", DEFAULT_REPLY_TOPIC, "LITERAL", "READ", "DESCRIBE"),
+        # The Batch API: its files and batches, each batch's reply topic (made, read, deleted), and the
+        # group whose one member drives the batches.
+        *_grant(GATEWAY, "TOPIC", FILES_TOPIC, "LITERAL", "READ", "WRITE", "DESCRIBE"),
+        *_grant(GATEWAY, "TOPIC", BATCHES_TOPIC, "LITERAL", "READ", "WRITE", "DESCRIBE"),
+        *_grant(GATEWAY, "TOPIC", BATCH_REPLY_PREFIX, "PREFIXED", "CREATE", "READ", "DELETE", "DESCRIBE"),
+        *_grant(GATEWAY, "GROUP", BATCH_RUNNER_GROUP, "LITERAL", "READ"),
     ]
     return acls
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kinfer.ops.control.scaling import ScaleDecision, ScaleState
 from kinfer.topics import MalformedRecord
+from kinfer.topics.batches import BatchError, BatchObject, FileObject, RequestCounts
 from kinfer.topics.health import HealthState, Level, LevelChange
 from kinfer.topics.progress import MAX_POSITIONS, Answered, Position
 from kinfer.topics.record import MAX_DURATION_MS, MODEL_NAME_PATTERN, Record
@@ -42,6 +43,10 @@ VALID: list[Record] = [
     ScaleDecision(9_000, "m", 1, 3, "up", 210.0, 100.0, 400.0, 4000.0),
     Position(2, 17, 123_456),
     Answered("host-1.example-42", 1_700_000_000_000, [Position(0, 0, 5), Position(2, 17, 123_456)]),
+    FileObject("file-" + "0" * 24, "acme", "batch", "input.jsonl", 1_234, 1_700_000_000, 1),
+    BatchObject("batch_" + "1" * 24, "acme", "/v1/embeddings", "file-" + "0" * 24, 1_700_000_000, 1_700_086_400,
+                "in_progress", b"k" * 16, published=True, request_counts=RequestCounts(3, 1, 1),
+                errors=[BatchError("invalid_request", "bad", 2, "url")], metadata={"job": "nightly"}),
 ]
 TYPES = [type(r) for r in VALID]
 

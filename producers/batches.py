@@ -1,0 +1,563 @@
+"""The Batch API's engine: files and batches in Kafka (``topics.batches``), and the runner that turns a
+batch into background requests and their results into an output file.
+
+``BatchStore`` is every gateway's view of ``kinfer.files`` and ``kinfer.batches``: read from the
+beginning at start, then followed, so any gateway answers for any batch; writes go to Kafka first
+(``acks=all``) and into the view once acknowledged. ``BatchRunner`` drives the batches: of all the
+gateways, the one that holds the single partition of ``kinfer.batches`` in the group
+``kinfer.batch-runner`` (a gateway that dies hands it over within the group's session timeout). For
+each batch it does, in order, what the batch's state says is left:
+
+    validating   read the input file, check every line (a file with a bad line fails the batch, as
+                 OpenAI's does), create the batch's reply topic, publish every line as a background
+                 request (p3, deadline = the end of the completion window, replies sealed with the
+                 batch's key), then record ``published`` and ``in_progress``
+    in_progress  read the reply topic from its start until every line has a terminal result, counting
+                 them into the state now and then; past the window, or asked to cancel, stop there
+    finalizing   write the output file (ok lines) and the error file (the rest), record the end
+                 state, delete the reply topic
+
+Every step can be done again: a new owner that finds ``validating`` publishes again (a request id
+answered twice is one line: the first result counts), and one that finds ``in_progress`` collects
+from the start of the reply topic. Lines are parsed by the OpenAI routes' own decoders, and answered
+in their shapes (``producers.openai_api``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from msgspec.structs import replace
+
+from kinfer.producers.client import Client
+from kinfer.producers.http import MAX_BODY_BYTES
+from kinfer.producers.openai_api import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    EMBEDDINGS,
+    EmbeddingsBody,
+    Generation,
+    embeddings_answer,
+)
+from kinfer.topics import InvalidRequest, Priority, Request, Result, Status, now_ms
+from kinfer.topics.admin import TopicSpec, batch_topic_specs, ensure_topics
+from kinfer.topics.batches import (
+    BATCH_RUNNER_GROUP,
+    BATCHES_TOPIC,
+    CHUNK_BYTES,
+    COMPLETION_WINDOW_MS,
+    FILES_TOPIC,
+    MAX_BATCH_LINES,
+    BatchError,
+    BatchObject,
+    FileObject,
+    RequestCounts,
+    batch_reply_topic,
+    chunk_key,
+    file_key,
+)
+from kinfer.topics.connect import kafka_options
+from kinfer.topics.envelope import ReplyRefused, ReplyRoute, decode_replies
+from kinfer.topics.errors import MalformedRecord
+from kinfer.topics.readers import Supervised
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 2.0  # how often a running batch's counts are written back
+REPLY_PARTITIONS = 3  # of a batch's reply topic: what workers write to at once
+REPLY_CONFIGS = {"retention.ms": str(8 * 86_400_000)}  # past the window: deleted once the output is written
+# What an answer's status is over HTTP: the gateway's own mapping (invalid 400, model error 502, shed 503,
+# deadline 504).
+_HTTP_STATUS = {Status.INVALID: 400, Status.ERROR: 502, Status.SHED: 503, Status.EXPIRED: 504}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{os.urandom(12).hex()}"
+
+
+# -- lines ------------------------------------------------------------------------------------------
+
+
+class InputLine(msgspec.Struct):
+    """One line of a batch input file (OpenAI's format)."""
+
+    custom_id: str
+    method: str
+    url: str
+    body: msgspec.Raw
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """A checked input line: what to send, and how its result becomes the line's response body."""
+
+    number: int  # 1-based
+    custom_id: str
+    model: str
+    inputs: tuple[str, ...]
+    params: dict[str, Any]
+    messages: tuple[Any, ...]
+    answer: Callable[[Result], dict[str, Any]]
+
+
+class LineRefused(Exception):
+    def __init__(self, number: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.number = number
+        self.param = param
+
+
+_line_decoder = msgspec.json.Decoder(InputLine)
+_DECODERS: dict[str, Callable[[bytes], object]] = {
+    "/v1/embeddings": EMBEDDINGS.decode, "/v1/completions": COMPLETIONS.decode,
+    "/v1/chat/completions": CHAT_COMPLETIONS.decode,
+}
+
+
+def parse_line(endpoint: str, raw: bytes, number: int) -> Line:
+    """One input line, checked as its endpoint's route checks a body; ``LineRefused`` naming what is wrong."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise LineRefused(number, f"the line is over {MAX_BODY_BYTES} bytes (what the route takes as a body)")
+    try:
+        line = _line_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise LineRefused(number, f"not a batch request line: {exc}"[:500]) from None
+    if not line.custom_id or len(line.custom_id) > 512:
+        raise LineRefused(number, "custom_id must be 1-512 characters", "custom_id")
+    if line.method != "POST":
+        raise LineRefused(number, f"method must be POST, got {line.method[:32]!r}", "method")
+    if line.url != endpoint:
+        raise LineRefused(number, f"url must be the batch's endpoint {endpoint}, got {line.url[:64]!r}", "url")
+    try:
+        body = _DECODERS[endpoint](bytes(line.body))
+    except InvalidRequest as exc:
+        raise LineRefused(number, f"body: {exc}", exc.field) from None
+    except Exception as exc:  # the route's decoder refuses with its own errors (BadBody): still this line's
+        raise LineRefused(number, f"body: {exc}"[:500], getattr(exc, "field", None)) from None
+    if not isinstance(body, Generation | EmbeddingsBody):
+        raise LineRefused(number, "the endpoint has no decoder", "url")
+    if isinstance(body, Generation):
+        if body.body.stream:
+            raise LineRefused(number, "stream is not supported in a batch", "stream")
+        inputs = () if body.prompt is None else (body.prompt,)
+        return Line(number, line.custom_id, body.body.model, inputs, body.body.params(body.max_tokens),
+                    tuple(body.turns), body.form.answer)
+    return Line(number, line.custom_id, body.model, tuple(body.texts()), {}, (), partial(embeddings_answer, body))
+
+
+def parse_file(endpoint: str, data: bytes) -> tuple[list[Line], list[BatchError]]:
+    """Every line of an input file, or the errors that fail the batch (at most 100 of them)."""
+    lines: list[Line] = []
+    errors: list[BatchError] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(data.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        if len(lines) >= MAX_BATCH_LINES:
+            errors.append(BatchError.of("too_many_requests", f"a batch holds at most {MAX_BATCH_LINES} requests"))
+            break
+        try:
+            line = parse_line(endpoint, raw, number)
+        except LineRefused as exc:
+            errors.append(BatchError.of("invalid_request", str(exc), exc.number, exc.param))
+            if len(errors) >= 100:
+                break
+            continue
+        if line.custom_id in seen:
+            errors.append(BatchError.of("duplicate_custom_id", f"custom_id {line.custom_id[:64]!r} appears twice",
+                                     number, "custom_id"))
+            continue
+        seen.add(line.custom_id)
+        lines.append(line)
+    if not lines and not errors:
+        errors.append(BatchError.of("empty_file", "the input file holds no requests"))
+    return lines, errors
+
+
+def output_line(batch_id: str, line: Line, result: Result) -> tuple[bool, bytes]:
+    """(ok, the JSONL line) for a line's result: OpenAI's output or error file shape."""
+    request_id = f"{batch_id}-{line.number}"
+    code, body = 200, None
+    if result.status is Status.OK:
+        try:
+            body = line.answer(result)
+        except InvalidRequest as exc:
+            code, body = 400, {"error": {"type": "InvalidRequest", "message": str(exc), "param": exc.field,
+                                         "code": None}}
+    else:
+        code = _HTTP_STATUS.get(result.status, 500)
+        body = {"error": {"type": result.status.value, "message": result.error or result.status.value,
+                          "param": None, "code": None}}
+    out = {"id": f"batch_req_{request_id}", "custom_id": line.custom_id,
+           "response": {"status_code": code, "request_id": request_id, "body": body}, "error": None}
+    return code == 200, msgspec.json.encode(out) + b"\n"
+
+
+# -- the store --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _View:
+    files: dict[str, FileObject] = field(default_factory=dict)
+    chunks: dict[tuple[str, int], int] = field(default_factory=dict)  # (file, n) → offset in kinfer.files
+    batches: dict[str, BatchObject] = field(default_factory=dict)
+
+
+class BatchStore:
+    """Files and batches: written to Kafka, read from a view every gateway keeps of both topics."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        self.view = _View()
+        self.ready = asyncio.Event()  # the view has caught up with both topics once
+        self._producer: AIOKafkaProducer | None = None
+        self._tail: asyncio.Task[None] | None = None
+        self._reader: AIOKafkaConsumer | None = None  # reads a file's chunks by offset
+        self._reading = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._producer = AIOKafkaProducer(**kafka_options(self.bootstrap), acks="all",
+                                          max_request_size=2 * CHUNK_BYTES)
+        await self._producer.start()
+        self._reader = AIOKafkaConsumer(**kafka_options(self.bootstrap), enable_auto_commit=False,
+                                        max_partition_fetch_bytes=2 * CHUNK_BYTES)
+        await self._reader.start()
+        self._tail = asyncio.get_running_loop().create_task(Supervised("batch-store", self._follow).run(),
+                                                            name="batch-store")
+
+    async def close(self) -> None:
+        if self._tail is not None:
+            self._tail.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._tail
+        for part in (self._producer, self._reader):
+            if part is not None:
+                await part.stop()
+
+    async def _follow(self) -> None:
+        """Both topics from the beginning, for ever: the view (``Supervised``: restarted whenever it fails).
+        A record that does not read is skipped. The topics are made first where `kinfer topics` did not
+        make them; until they exist (a principal that may not create them waits for the operator), the
+        Batch API answers 503."""
+        await ensure_topics(self.bootstrap, batch_topic_specs())
+        consumer = AIOKafkaConsumer(**kafka_options(self.bootstrap), enable_auto_commit=False,
+                                    auto_offset_reset="earliest", max_partition_fetch_bytes=2 * CHUNK_BYTES)
+        try:
+            await consumer.start()
+            tps = [TopicPartition(FILES_TOPIC, 0), TopicPartition(BATCHES_TOPIC, 0)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            ends = await consumer.end_offsets(tps)
+            while True:
+                data = await consumer.getmany(timeout_ms=500)
+                for tp, records in data.items():
+                    for record in records:
+                        self._apply(tp.topic, record.key, record.value, record.offset)
+                if not self.ready.is_set():
+                    positions = [await consumer.position(tp) for tp in tps]
+                    if all(p >= ends[tp] for p, tp in zip(positions, tps, strict=True)):
+                        self.ready.set()
+        finally:
+            await consumer.stop()
+
+    def _apply(self, topic: str, key: bytes | None, value: bytes | None, offset: int) -> None:
+        if key is None:
+            return
+        text = key.decode("ascii", "replace")
+        try:
+            if topic == BATCHES_TOPIC:
+                if value is None:
+                    self.view.batches.pop(text, None)
+                    return
+                batch = BatchObject.unpack(value)
+                if batch.id == text:
+                    self.view.batches[text] = _newer(self.view.batches.get(text), batch)
+            elif text.startswith("c:"):
+                file_id, _, n = text[2:].rpartition(":")
+                if value is None:
+                    self.view.chunks.pop((file_id, int(n)), None)
+                else:
+                    self.view.chunks[(file_id, int(n))] = offset
+            elif text.startswith("f:"):
+                if value is None:
+                    self.view.files.pop(text[2:], None)
+                else:
+                    found = FileObject.unpack(value)
+                    if found.id == text[2:]:
+                        self.view.files[found.id] = found
+        except (MalformedRecord, ValueError) as exc:
+            log.warning("skipping a record of %s (key %r): %s", topic, text[:80], exc)
+
+    @property
+    def producer(self) -> AIOKafkaProducer:
+        assert self._producer is not None, "the store is not started"
+        return self._producer
+
+    async def put_file(self, tenant: str, purpose: str, filename: str, data: bytes) -> FileObject:
+        file_id = new_id("file-")
+        offsets = []
+        for n, start in enumerate(range(0, len(data), CHUNK_BYTES)):
+            sent = await self.producer.send_and_wait(FILES_TOPIC, data[start:start + CHUNK_BYTES],
+                                                     key=chunk_key(file_id, n))
+            offsets.append(sent.offset)
+        meta = FileObject(file_id, tenant, purpose, filename[:512], len(data), int(time.time()), len(offsets))
+        await self.producer.send_and_wait(FILES_TOPIC, meta.pack(), key=file_key(file_id))
+        for n, offset in enumerate(offsets):
+            self.view.chunks[(file_id, n)] = offset
+        self.view.files[file_id] = meta
+        return meta
+
+    async def read_file(self, meta: FileObject) -> bytes:
+        """A file's content, chunk by chunk from the offsets the view holds."""
+        assert self._reader is not None, "the store is not started"
+        tp = TopicPartition(FILES_TOPIC, 0)
+        out = io.BytesIO()
+        async with self._reading:
+            self._reader.assign([tp])
+            for n in range(meta.chunks):
+                offset = self.view.chunks.get((meta.id, n))
+                if offset is None:
+                    raise KeyError(f"{meta.id}: chunk {n} is missing")
+                self._reader.seek(tp, offset)
+                record = await asyncio.wait_for(self._reader.getone(tp), 30.0)
+                if record.key != chunk_key(meta.id, n) or record.value is None:
+                    raise KeyError(f"{meta.id}: chunk {n} is not at offset {offset}")
+                out.write(record.value)
+        return out.getvalue()
+
+    async def put_batch(self, batch: BatchObject) -> BatchObject:
+        await self.producer.send_and_wait(BATCHES_TOPIC, batch.pack(), key=batch.id.encode())
+        self.view.batches[batch.id] = batch
+        return batch
+
+
+_ORDER = {"validating": 0, "in_progress": 1, "cancelling": 2, "finalizing": 3}
+
+
+def _newer(known: BatchObject | None, incoming: BatchObject) -> BatchObject:
+    """A state read from the topic never takes a terminal batch back to a running one (a late write of
+    an old owner, read after the new one's end state)."""
+    if known is not None and known.terminal and not incoming.terminal:
+        return known
+    return incoming
+
+
+# -- the runner -------------------------------------------------------------------------------------
+
+
+class BatchRunner:
+    """Drives every unfinished batch while this gateway owns ``kinfer.batches`` in the runner group."""
+
+    def __init__(self, store: BatchStore, client: Client, session_timeout_ms: int = 10_000) -> None:
+        self.store = store
+        self.client = client
+        self.session_timeout_ms = session_timeout_ms
+        self._task: asyncio.Task[None] | None = None
+        self._driving: dict[str, asyncio.Task[None]] = {}
+        self.owner = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(Supervised("batch-runner", self._run).run(),
+                                                            name="batch-runner")
+
+    async def close(self) -> None:
+        for task in [self._task, *self._driving.values()]:
+            if task is not None:
+                task.cancel()
+        for task in [self._task, *self._driving.values()]:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _run(self) -> None:
+        """Member of the runner group (``Supervised``: joined again whenever it fails); drives every batch
+        while it holds ``kinfer.batches``."""
+        consumer = AIOKafkaConsumer(**kafka_options(self.store.bootstrap), group_id=BATCH_RUNNER_GROUP,
+                                    enable_auto_commit=False, session_timeout_ms=self.session_timeout_ms,
+                                    heartbeat_interval_ms=max(100, self.session_timeout_ms // 5))
+        try:
+            await consumer.start()
+            consumer.subscribe([BATCHES_TOPIC])
+            await self.store.ready.wait()
+            while True:
+                await consumer.getmany(timeout_ms=500)  # records come through the store's view
+                self.owner = bool(consumer.assignment())
+                if self.owner:
+                    self._drive_all()
+                else:
+                    self._stop_all()
+        finally:
+            self.owner = False
+            self._stop_all()
+            await consumer.stop()
+
+    def _drive_all(self) -> None:
+        for batch in list(self.store.view.batches.values()):
+            task = self._driving.get(batch.id)
+            if batch.terminal or (task is not None and not task.done()):
+                continue
+            self._driving[batch.id] = asyncio.get_running_loop().create_task(self._drive(batch.id))
+
+    def _stop_all(self) -> None:
+        for task in self._driving.values():
+            task.cancel()
+        self._driving.clear()
+
+    def _state(self, batch_id: str) -> BatchObject:
+        return self.store.view.batches[batch_id]
+
+    async def _drive(self, batch_id: str) -> None:
+        try:
+            batch = self._state(batch_id)
+            lines: list[Line] = []
+            if batch.status in ("validating", "in_progress", "cancelling"):
+                meta = self.store.view.files.get(batch.input_file_id)
+                if meta is None:
+                    await self._fail(batch, "missing_file", f"input file {batch.input_file_id} not found")
+                    return
+                lines, errors = parse_file(batch.endpoint, await self.store.read_file(meta))
+                if errors:
+                    await self._fail(batch, errors=errors)
+                    return
+            if batch.status == "validating":
+                served = set(await self.client.models())
+                unknown = [BatchError.of("model_not_found", f"model {line.model!r} is not served", line.number, "model")
+                           for line in lines if line.model not in served]
+                if unknown:
+                    await self._fail(batch, errors=unknown)
+                    return
+                batch = await self._publish(batch, lines)
+            await self._collect(batch_id, lines)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s: driving it failed; it is tried again", batch_id)
+            await asyncio.sleep(5.0)
+
+    async def _fail(self, batch: BatchObject, code: str = "", message: str = "",
+                    errors: list[BatchError] | None = None) -> None:
+        errors = errors or [BatchError.of(code, message)]
+        await self.store.put_batch(replace(batch, status="failed", failed_at=int(time.time()), errors=errors[:100]))
+
+    async def _publish(self, batch: BatchObject, lines: list[Line]) -> BatchObject:
+        """Every line as a background request (again, if a previous owner began), then ``in_progress``."""
+        await self._reply_topic(batch.id)
+        topic = batch_reply_topic(batch.id)
+        deadline = batch.created_at * 1000 + COMPLETION_WINDOW_MS
+        sends = []
+        for line in lines:
+            request = Request(id=f"{batch.id}-{line.number}", model=line.model, priority=Priority.P3,
+                              tenant=batch.tenant, created_ms=now_ms(), deadline_ms=deadline, inputs=line.inputs,
+                              reply=ReplyRoute.topic(topic), params=line.params, messages=line.messages,
+                              batch_reply=True, reply_key=batch.reply_key)
+            sends.append(self.client.submit(request))
+            if len(sends) >= 256:
+                await asyncio.gather(*sends)
+                sends = []
+        await asyncio.gather(*sends)
+        counts = RequestCounts(total=len(lines))
+        now = self._state(batch.id)  # a cancel may have come meanwhile: it stands
+        status = "cancelling" if now.status == "cancelling" else "in_progress"
+        return await self.store.put_batch(replace(now, status=status, published=True,
+                                                  in_progress_at=int(time.time()), request_counts=counts))
+
+    async def _reply_topic(self, batch_id: str) -> list[TopicPartition]:
+        """The batch's reply topic (created when missing: a new owner's first look), by partition."""
+        topic = batch_reply_topic(batch_id)
+        counts = await ensure_topics(self.store.bootstrap, [TopicSpec(topic, REPLY_PARTITIONS, 0, REPLY_CONFIGS)])
+        return [TopicPartition(topic, p) for p in range(counts[topic])]
+
+    async def _collect(self, batch_id: str, lines: list[Line]) -> None:
+        """The batch's results from the start of its reply topic, until each line has one (or the batch
+        is cancelled or its window has passed); then its output."""
+        batch = self._state(batch_id)
+        by_id = {f"{batch_id}-{line.number}": line for line in lines}
+        results: dict[str, Result] = {}
+        consumer = AIOKafkaConsumer(**kafka_options(self.store.bootstrap), enable_auto_commit=False,
+                                    auto_offset_reset="earliest")
+        await consumer.start()
+        try:
+            tps = await self._reply_topic(batch_id)
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            written = time.monotonic()
+            while len(results) < len(by_id):
+                batch = self._state(batch_id)
+                if batch.status == "cancelling" or time.time() > batch.expires_at:
+                    break
+                for records in (await consumer.getmany(timeout_ms=500)).values():
+                    for record in records:
+                        self._take(record.value, batch.reply_key, by_id, results)
+                if time.monotonic() - written >= PROGRESS_EVERY_S:
+                    written = time.monotonic()
+                    ok = sum(1 for r in results.values() if r.status is Status.OK)
+                    counts = RequestCounts(len(by_id), ok, len(results) - ok)
+                    if counts != batch.request_counts:
+                        await self.store.put_batch(replace(batch, request_counts=counts))
+        finally:
+            await consumer.stop()
+        await self._finish(self._state(batch_id), lines, results)
+
+    @staticmethod
+    def _take(value: bytes | None, key: bytes, by_id: dict[str, Line], results: dict[str, Result]) -> None:
+        """One record of the reply topic: the results in it that are this batch's, sealed with its key."""
+        if value is None:
+            return
+        try:
+            opened = decode_replies(value, key)
+        except ReplyRefused:
+            return  # not sealed with the batch's key: not a worker's answer to this batch
+        for reply in opened.replies:
+            if isinstance(reply, Result) and reply.id in by_id and reply.id not in results:
+                results[reply.id] = reply
+
+    async def _finish(self, batch: BatchObject, lines: list[Line], results: dict[str, Result]) -> None:
+        now = int(time.time())
+        status = "cancelled" if batch.status == "cancelling" else "expired" if len(results) < len(lines) \
+            else "completed"
+        batch = await self.store.put_batch(replace(batch, status="finalizing", finalizing_at=now))
+        output, errors = io.BytesIO(), io.BytesIO()
+        ok_count = 0
+        for line in lines:
+            result = results.get(f"{batch.id}-{line.number}")
+            if result is None:
+                continue
+            ok, text = output_line(batch.id, line, result)
+            (output if ok else errors).write(text)
+            ok_count += ok
+        out_meta = err_meta = None
+        if output.tell():
+            out_meta = await self.store.put_file(batch.tenant, "batch_output", f"{batch.id}_output.jsonl",
+                                                 output.getvalue())
+        if errors.tell():
+            err_meta = await self.store.put_file(batch.tenant, "batch_output", f"{batch.id}_error.jsonl",
+                                                 errors.getvalue())
+        ended: dict[str, Any] = {f"{status}_at": int(time.time())}
+        counts = RequestCounts(len(lines), ok_count, len(results) - ok_count)
+        await self.store.put_batch(replace(batch, status=status, request_counts=counts, **ended,
+                                           output_file_id=out_meta.id if out_meta else None,
+                                           error_file_id=err_meta.id if err_meta else None))
+        await self._delete_topic(batch_reply_topic(batch.id))
+
+    async def _delete_topic(self, topic: str) -> None:
+        admin = AIOKafkaAdminClient(**kafka_options(self.store.bootstrap))
+        try:
+            await admin.start()
+            await admin.delete_topics([topic])
+        except KafkaError as exc:
+            log.warning("deleting %s failed (its retention removes it): %s", topic, exc)
+        finally:
+            await admin.close()

@@ -1,0 +1,161 @@
+"""OpenAI's Batch API on the live stack, driven by the official ``openai`` package against ``kinfer
+gateway`` processes: a batch survives the gateway that took it being killed mid-batch, and tenants
+see only their own files and batches.
+
+The worker is paused while the batch is published, so the gateway is killed (SIGKILL) with every
+request waiting; another gateway, started after, finds the batch in Kafka, collects its results from
+the start of its reply topic, and writes the output file. Assertions are by counts and ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import pytest
+
+from kinfer.consumers.runners.registry import minilm_path
+from kinfer.ops.localstack.procs import spawn, stop_process, wait_until_served
+from kinfer.ops.localstack.stack import StackInfo, free_port
+from kinfer.producers import Client
+from kinfer.producers.tenants import hash_key
+from tests.integration.conftest import WorkerProcess
+
+pytestmark = pytest.mark.integration
+
+KEY, OTHER_KEY = "batch-key-" + os.urandom(8).hex(), "other-key-" + os.urandom(8).hex()
+LINES = 120
+
+
+def tenants_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": [
+        {"name": "batcher", "key_sha256": hash_key(KEY), "rate_per_s": 100, "burst": 100, "max_priority": 1},
+        {"name": "other", "key_sha256": hash_key(OTHER_KEY), "rate_per_s": 100, "burst": 100, "max_priority": 1},
+    ]}))
+    return path
+
+
+def start_gateway(stack: StackInfo, tenants: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    return spawn(stack, "gateway", "--port", str(port), "--tenants", str(tenants), log_path=str(log)), \
+        f"http://127.0.0.1:{port}/v1"
+
+
+def tail(log: Path) -> str:
+    return log.read_text()[-3000:]
+
+
+async def until_up(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    async with openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0) as oai:
+        for _ in range(300):
+            assert proc.poll() is None, tail(log)
+            try:
+                await oai.batches.list()
+                return
+            except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
+                await asyncio.sleep(0.2)
+    pytest.fail(f"the gateway never served the Batch API:\n{tail(log)}")
+
+
+async def status_of(url: str, batch_id: str, wanted: set[str], rounds: int = 600) -> openai.types.Batch:
+    async with openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=2) as oai:
+        for _ in range(rounds):
+            batch = await oai.batches.retrieve(batch_id)
+            if batch.status in wanted:
+                return batch
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"{batch_id} never reached {wanted}: {batch}")
+
+
+async def test_a_batch_outlives_its_gateway_and_every_line_is_answered_once(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    worker = spawn_worker(topics, "--family", "embedding", "--path", str(minilm_path()))
+    async with Client(stack.bootstrap, stack.redis_url) as c:
+        await wait_until_served(c, topics)
+    tenants = tenants_file(tmp_path)
+    first, url = start_gateway(stack, tenants, tmp_path / "gateway-1.log")
+    second = None
+    try:
+        await until_up(url, first, tmp_path / "gateway-1.log")
+        lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": topics, "input": f"sentence number {i}"}} for i in range(LINES)]
+        data = "\n".join(json.dumps(line) for line in lines).encode()
+        async with openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0) as oai:
+            uploaded = await oai.files.create(file=("input.jsonl", data), purpose="batch")
+            assert uploaded.bytes == len(data) and uploaded.purpose == "batch"
+            os.kill(worker.proc.pid, signal.SIGSTOP)  # every request waits: the gateway dies mid-batch
+            try:
+                batch = await oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                                 completion_window="24h")
+                assert batch.status == "validating" and batch.endpoint == "/v1/embeddings"
+                running = await status_of(url, batch.id, {"in_progress"})
+                assert running.request_counts is not None and running.request_counts.total == LINES
+                first.kill()  # SIGKILL: no goodbye to the runner group
+                first.wait()
+            finally:
+                os.kill(worker.proc.pid, signal.SIGCONT)
+        second, url = start_gateway(stack, tenants, tmp_path / "gateway-2.log")
+        await until_up(url, second, tmp_path / "gateway-2.log")
+        done = await status_of(url, batch.id, {"completed", "failed", "expired", "cancelled"})
+        assert done.status == "completed", done
+        assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) \
+            == (LINES, 0)
+        assert done.output_file_id and done.error_file_id is None
+        async with openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0) as oai:
+            output = (await oai.files.content(done.output_file_id)).content
+            answers = [json.loads(line) for line in output.splitlines()]
+            assert sorted(a["custom_id"] for a in answers) == sorted(line["custom_id"] for line in lines)
+            for answer in answers:
+                response = answer["response"]
+                assert response["status_code"] == 200 and answer["error"] is None
+                assert len(response["body"]["data"][0]["embedding"]) == 384
+            listed = await oai.batches.list()
+            assert batch.id in [b.id for b in listed.data]
+        async with openai.AsyncOpenAI(base_url=url, api_key=OTHER_KEY, max_retries=0) as other:
+            with pytest.raises(openai.NotFoundError):  # another tenant's batch does not exist for it
+                await other.batches.retrieve(batch.id)
+            with pytest.raises(openai.NotFoundError):
+                await other.files.content(done.output_file_id)
+            assert batch.id not in [b.id for b in (await other.batches.list()).data]
+            with pytest.raises(openai.BadRequestError):  # nor may it start one on another's file
+                await other.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                           completion_window="24h")
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                stop_process(proc)
+
+
+async def test_a_file_with_a_bad_line_fails_its_batch_naming_the_line(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    spawn_worker(topics, "--family", "noop")
+    gateway, url = start_gateway(stack, tenants_file(tmp_path), tmp_path / "gateway.log")
+    try:
+        await until_up(url, gateway, tmp_path / "gateway.log")
+        good = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": topics, "input": "x"}}
+        lines = [good, {**good, "custom_id": "b", "url": "/v1/completions"}, {**good, "custom_id": "a"},
+                 {**good, "custom_id": "c", "body": {"model": topics, "input": 7}}]
+        data = "\n".join(json.dumps(line) for line in lines).encode() + b"\n{not json\n"
+        async with openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0) as oai:
+            uploaded = await oai.files.create(file=("input.jsonl", data), purpose="batch")
+            batch = await oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                             completion_window="24h")
+            failed = await status_of(url, batch.id, {"failed", "completed"})
+            assert failed.status == "failed" and failed.errors is not None
+            assert sorted(e.line for e in failed.errors.data if e.line) == [2, 3, 4, 5], failed.errors
+            with pytest.raises(openai.BadRequestError):
+                await oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/moderations",
+                                         completion_window="24h")
+            with pytest.raises(openai.BadRequestError):
+                await oai.files.create(file=("input.jsonl", data), purpose="fine-tune")
+    finally:
+        stop_process(gateway)
