@@ -208,6 +208,7 @@ class BatchCore(EngineCore):
         # time (``batcher.dynamic``): the two learn one service-time model.
         self.background: DynamicBatcher[Job] = DynamicBatcher(policy.for_background(), self.batcher.service)
         self._slice_s = policy.background_slice_ms / 1000.0
+        self._slice_started: float | None = None  # a background slice is running since (monotonic)
 
     @property
     def runner(self) -> Runner:
@@ -246,6 +247,7 @@ class BatchCore(EngineCore):
         if batch is None and self.background:  # nothing interactive waits: one slice of background work
             slice_s = self._slice_s if max_s is None else min(max_s, self._slice_s)
             batch = self.background.next_batch(now, max_batch_s=slice_s)
+            self._slice_started = now if batch is not None else None
         if batch is None:
             return Next(None)
         groups = [job.request.inputs for job in batch.payloads]
@@ -292,6 +294,10 @@ class BatchCore(EngineCore):
         batch: Batch[Job] = work.state
         jobs = batch.payloads
         took = outcome.took_s
+        if self._slice_started is not None:  # a background slice ended: who came meanwhile waited for it
+            ended, self._slice_started = outcome.started + took, None
+            if came := [p.arrival for p in self.batcher]:
+                self.observer.behind_background(self.name, max(0.0, ended - min(came)))
         if outcome.error is not None:  # the call itself failed, beyond what ``_run`` answers for
             answers: list[tuple[list[Any], int] | BaseException] = [outcome.error] * len(jobs)
             split = False
@@ -331,7 +337,8 @@ class BatchCore(EngineCore):
         return self.background.pending_inputs
 
     def background_room(self) -> int:
-        return 2 * self.batcher.policy.max_batch_size  # the slice running and the next one
+        # Slices enough to cover a fetch's round trip (the broker holds an empty fetch up to 50 ms).
+        return 4 * self.batcher.policy.max_batch_size
 
     def has_work(self) -> bool:
         return bool(self.batcher) or bool(self.background)
@@ -576,7 +583,7 @@ class GenCore(EngineCore):
 
     def background_room(self) -> int:
         p = self.scheduler.policy
-        return 2 * int(p.max_running * p.background_share)  # a free slot's next sequence, and the one after
+        return 2 * int(p.max_running * p.background_share)  # a sequence for each slot, and the next
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._drops)

@@ -265,7 +265,7 @@ class Membership:
             try:
                 # A careful stretch waits on every record's commit with every partition paused: poll
                 # often then, so the next record is fetched as soon as the token is free.
-                poll_ms = 5 if feed.guard.careful_any() or self.careful.busy else 100
+                poll_ms = 5 if feed.guard.careful_any() or self.careful.busy else 10 if feed.refill else 100
                 data = await consumer.getmany(timeout_ms=poll_ms, max_records=room)
                 backoff.reset()
             except KafkaError as exc:
@@ -382,12 +382,14 @@ class Membership:
                 held.add(prio)
             elif buffered <= share * cap - cap / 8:
                 held.discard(prio)
-        spare = (not draining and buffered == 0 and background < feed.core.background_room()
-                 and not _behind(consumer, [tp for tp in consumer.assignment() if not feed.priority(tp).background]))
-        if spare:
+        idle = not draining and buffered == 0 and not _behind(
+            consumer, [tp for tp in consumer.assignment() if not feed.priority(tp).background])
+        if idle and background < feed.core.background_room():
             held.discard(Priority.P3)
         else:
             held.add(Priority.P3)
+        # Background work runs now: look again soon, so that the next slices are here before it runs dry.
+        feed.refill = idle and background > 0
         # Marks not read yet, careful partitions while a careful record is in flight; and while one is,
         # nothing else at all: it runs alone.
         guarded = set(consumer.assignment()) if feed.guard.quiet else feed.guard.held()

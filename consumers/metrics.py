@@ -14,6 +14,14 @@ BATCH_WAIT = Histogram(
     "kinfer_batch_wait_seconds", "Fetched to its batch starting compute", ["model", "priority"], buckets=_S_BUCKETS
 )
 COMPUTE = Histogram("kinfer_compute_seconds", "Forward pass of one batch", ["model"], buckets=_S_BUCKETS)
+BACKGROUND_WAIT = Histogram(
+    "kinfer_background_wait_seconds", "How long interactive requests that came during a background slice waited for "
+    "it to end (the longest of each slice)", ["model"], buckets=_S_BUCKETS,
+)
+BACKGROUND_WAIT_MAX = Gauge(
+    "kinfer_background_wait_max_seconds", "The longest an interactive request has waited for a background slice",
+    ["model"],
+)
 PREDICTED = Histogram(
     "kinfer_predicted_compute_seconds", "The service-time model's forecast for each batch", ["model"],
     buckets=_S_BUCKETS,

@@ -80,6 +80,10 @@ class Observer:
 
     def codel(self, model: str, dropping: bool) -> None: ...
 
+    def behind_background(self, model: str, seconds: float) -> None:
+        """A background slice ended; the interactive requests that came while it ran waited at most
+        ``seconds`` for it (reported only when some came)."""
+
     def generation(self, model: str, running: int, kv_reserved: int, kv_unused: int) -> None:
         """The running batch now: sequences, KV tokens reserved, and of those not (yet) used."""
 

@@ -16,6 +16,7 @@ from kinfer.topics.residency import TIERS
 class PrometheusSink(Observer):
     def __init__(self) -> None:
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._longest_behind: dict[str, float] = {}  # by model: the longest wait for a background slice
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -82,6 +83,12 @@ class PrometheusSink(Observer):
 
     def codel(self, model: str, dropping: bool) -> None:
         self._child(metrics.CODEL_DROPPING, model).set(int(dropping))
+
+    def behind_background(self, model: str, seconds: float) -> None:
+        self._child(metrics.BACKGROUND_WAIT, model).observe(seconds)
+        if seconds > self._longest_behind.get(model, -1.0):
+            self._longest_behind[model] = seconds
+            self._child(metrics.BACKGROUND_WAIT_MAX, model).set(seconds)
 
     def generation(self, model: str, running: int, kv_reserved: int, kv_unused: int) -> None:
         self._child(metrics.GEN_RUNNING, model).set(running)

@@ -114,7 +114,7 @@ def _turn(message: Turn | Mapping[str, str]) -> Turn:
                              "messages") from exc
 
 
-def _retrieve(task: asyncio.Task[None]) -> None:
+def _retrieve(task: asyncio.Future[Any]) -> None:
     """A send task's outcome is read by whoever waits for it, or by nobody (a hedge that lost): never
     "exception never retrieved"."""
     if not task.cancelled():
@@ -153,6 +153,7 @@ class Client:
         )
         self._known_topics: set[str] = set()
         self._missing_topics: dict[str, float] = {}  # topic -> until when "unknown" is answered from memory
+        self._looking_up: asyncio.Future[Any] | None = None  # the metadata round trip in progress, shared
         self._health = HealthWatch(self._redis)
         self._throttles: dict[str, AdaptiveThrottle] = {}
         self._sent: dict[str, SendLog] = {}
@@ -653,6 +654,14 @@ class Client:
             return f"no topic {topic} visible: model {model!r} is not served, or not at this priority for this tenant"
         return f"no topic {topic}: model {model!r} is not served"
 
+    def _metadata(self) -> asyncio.Future[Any]:
+        """The cluster's metadata, one round trip for every caller that asks while it is on its way: a
+        burst of first requests to a topic (a batch submitted at once) asks the broker once, not once each."""
+        if self._looking_up is None or self._looking_up.done():
+            self._looking_up = asyncio.ensure_future(self._producer.client.fetch_all_metadata())
+            self._looking_up.add_done_callback(_retrieve)
+        return self._looking_up
+
     async def _check_topic(self, topic: str, request: Request) -> None:
         if topic in self._known_topics:  # the hot path: nothing else to do
             return
@@ -661,7 +670,7 @@ class Client:
         if self._missing_topics.get(topic, 0.0) > time.monotonic():  # asked a moment ago: still unknown
             raise UnknownModel(self._not_served(topic, model), "model")
         try:  # one metadata round trip; the broker never creates request topics by itself
-            cluster = await asyncio.wait_for(self._producer.client.fetch_all_metadata(), timeout_s)
+            cluster = await asyncio.wait_for(asyncio.shield(self._metadata()), timeout_s)
         except (KafkaError, TimeoutError) as exc:
             raise Unavailable(f"Kafka metadata unavailable: {exc}") from exc
         if topic not in cluster.topics():

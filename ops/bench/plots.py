@@ -20,6 +20,7 @@ from kinfer.ops.bench.autoscale import plot_autoscale
 from kinfer.ops.bench.batching import POLICIES, plot_batching
 from kinfer.ops.bench.chaos import plot_chaos
 from kinfer.ops.bench.faults import plot_faults
+from kinfer.ops.bench.fill import plot_fill
 from kinfer.ops.bench.gateway import plot_serve
 from kinfer.ops.bench.generation import plot_generation
 from kinfer.ops.bench.model import plot_model
@@ -122,6 +123,7 @@ def _has_steps(report: Report, keys: Iterable[str]) -> bool:
 PLOTTERS: dict[str, tuple[Callable[[Report], bool], Callable[[Report, str], str]]] = {
     "autoscale": (lambda r: _has(r, "autoscaled", "trace"), plot_autoscale),
     "overload": (lambda r: _has(r, "with_backpressure") or _has(r, "without_backpressure"), plot_overload),
+    "fill": (lambda r: _has(r, "with_tier", "without_tier"), plot_fill),
     "faults": (lambda r: _has(r, "scenarios"), plot_faults),
     "chaos": (lambda r: _has(r, "availability", "timeline"), plot_chaos),
     "chaos-variants": (lambda r: _has(r, "variants"), plot_chaos),

@@ -202,6 +202,28 @@ def _overload(args: argparse.Namespace) -> dict[str, Any]:
                           per_input_ms=args.per_input_ms, deadline_ms=args.deadline_ms, neighbour_s=args.neighbour_s)
 
 
+def _fill_args(bf: argparse.ArgumentParser) -> None:
+    from kinfer.ops.bench.fill import FillSetup
+
+    _json_arg(bf)
+    d = FillSetup()
+    bf.add_argument("--seconds", type=float, default=d.seconds, help=f"the compressed day [{d.seconds:g}]")
+    bf.add_argument("--valley", type=float, default=d.valley,
+                    help=f"interactive rate at the valleys, of capacity [{d.valley:g}]")
+    bf.add_argument("--peak", type=float, default=d.peak,
+                    help=f"interactive rate at the peak, of capacity [{d.peak:g}]")
+    bf.add_argument("--batch", type=int, default=d.batch, help="requests in the batch (0: 80 %% of the idle capacity)")
+    bf.add_argument("--workers", type=int, default=d.workers, help=f"simulated accelerators [{d.workers}]")
+    bf.add_argument("--slice-ms", type=float, default=d.slice_ms, help=f"--background-slice-ms [{d.slice_ms:g}]")
+
+
+def _fill(args: argparse.Namespace) -> dict[str, Any]:
+    from kinfer.ops.bench.fill import FillSetup, bench_fill
+
+    return bench_fill(FillSetup(seconds=args.seconds, valley=args.valley, peak=args.peak, batch=args.batch,
+                                workers=args.workers, slice_ms=args.slice_ms))
+
+
 def _placement_args(bl: argparse.ArgumentParser) -> None:
     _json_arg(bl)
     bl.add_argument("--models", type=int, default=6, help="copies of all-MiniLM-L6-v2 under different names [6]")
@@ -235,6 +257,8 @@ BENCHES = {bench.name: bench for bench in (
     Bench("autoscale", "a 5x traffic step: the autoscaler vs static peak provisioning", _autoscale_args, _autoscale),
     Bench("overload", "a 3x capacity surge with and without the health signal, side by side", _overload_args,
           _overload),
+    Bench("fill", "a day of interactive traffic and a large batch: the background tier against p2, side by side",
+          _fill_args, _fill),
     Bench("placement", "swap-in times, and more models than the memory budget under a Zipf mix", _placement_args,
           _placement),
 )}

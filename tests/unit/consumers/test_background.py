@@ -8,6 +8,7 @@ passed; and in generation it holds at most its share of the running slots and of
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,3 +120,21 @@ def test_the_scheduler_never_lets_background_take_more_than_its_share(
             assert interactive, "an interactive request waits behind background work alone"
         for s in list(sched.running):
             sched.finish(s.id)
+
+
+def test_the_wait_for_a_slice_is_reported_from_the_first_arrival_to_the_slice_end() -> None:
+    core, _, observer = batch_core(BatchPolicy(max_batch_size=2))
+    calls: list[float] = []
+    observer.behind_background = lambda model, seconds: calls.append(seconds)  # type: ignore[method-assign]
+    for i in range(4):
+        core.admit(job(request(f"b{i}", (f"b{i}",), priority=BG)), T0)
+    plan = core.next(T0)
+    assert plan.work is not None
+    core.admit(job(request("i0", ("i0",), priority=Priority.P0)), T0 + 0.005)  # came 5 ms into the slice
+    core.admit(job(request("i1", ("i1",), priority=Priority.P0)), T0 + 0.008)
+    core.complete(plan.work, execute(plan.work, T0, took_s=0.02))
+    assert calls == [pytest.approx(0.015)]  # the first to come waited 15 ms for the 20 ms slice to end
+    plan = core.next(T0 + 0.02)  # interactive now: nothing more is reported for it
+    assert plan.work is not None
+    core.complete(plan.work, execute(plan.work, T0 + 0.02))
+    assert len(calls) == 1
