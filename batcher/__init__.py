@@ -9,13 +9,14 @@
 
 from kinfer.batcher.codel import CoDel
 from kinfer.batcher.continuous import ContinuousScheduler, Finish, GenPolicy, Sequence, Step
-from kinfer.batcher.dynamic import Batch, BatchPolicy, Dropped, DynamicBatcher, Pending, Reason
+from kinfer.batcher.dynamic import Batch, BatchPolicy, BusyShare, Dropped, DynamicBatcher, Pending, Reason
 from kinfer.batcher.fair import DeficitRoundRobin
 from kinfer.batcher.service import ServicePrior, ServiceTimeModel
 
 __all__ = [
     "Batch",
     "BatchPolicy",
+    "BusyShare",
     "CoDel",
     "ContinuousScheduler",
     "DeficitRoundRobin",

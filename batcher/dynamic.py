@@ -45,7 +45,9 @@ Service times come from an online ``ServiceTimeModel`` fed by ``observe``.
 aging, no CoDel: it is deferred, never shed for load, and refused only once its completion window has
 passed), sharing the service-time model; a worker runs it only when this queue is empty, in batches
 predicted to finish within ``background_slice_ms``. An interactive request that arrives meanwhile
-waits for at most that one batch (or for one background request alone, should it take longer).
+waits for at most that one batch (or for one background request alone, should it take longer). And
+only while interactive work leaves the executor idle more than ``1 - background_max_busy`` of the time
+(``BusyShare``): near the peak, a slice would queue interactive requests for longer than itself.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class BatchPolicy:
     # The longest a batch of background work may be predicted to take: what an interactive request
     # arriving while it runs may wait for it. On a GPU, about one forward pass of a full batch.
     background_slice_ms: float = 50.0
+    # Background work runs only while interactive work keeps the executor busy less than this share of
+    # the time (its average over the last seconds): near the peak, any slice would queue interactive
+    # requests behind it for longer than the slice itself.
+    background_max_busy: float = 0.8
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -107,10 +113,31 @@ class BatchPolicy:
             raise ValueError(f"levels must be >= 1, got {self.levels}")
         if not self.background_slice_ms > 0:
             raise ValueError(f"background_slice_ms must be > 0, got {self.background_slice_ms}")
+        if not 0.0 < self.background_max_busy <= 1.0:
+            raise ValueError(f"background_max_busy must be within (0, 1], got {self.background_max_busy}")
 
     def for_background(self) -> BatchPolicy:
         """The policy of a background queue: one level, no aging, no CoDel, work-conserving."""
         return replace(self, levels=1, mode="dynamic", aging_ms=math.inf, codel_target_ms=math.inf)
+
+
+class BusyShare:
+    """The share of time spent computing, averaged over the last ``tau_s`` seconds (exponentially)."""
+
+    def __init__(self, tau_s: float = 2.0) -> None:
+        self.tau_s = tau_s
+        self._value = 0.0
+        self._at: float | None = None
+
+    def add(self, now: float, seconds: float) -> None:
+        """``seconds`` of compute ended at ``now``."""
+        self._value = self.share(now) + seconds / self.tau_s
+        self._at = now
+
+    def share(self, now: float) -> float:
+        if self._at is None:
+            return 0.0
+        return self._value * math.exp(-max(0.0, now - self._at) / self.tau_s)
 
 
 class Reason(enum.StrEnum):

@@ -31,6 +31,7 @@ from typing import Any
 from kinfer.batcher import (
     Batch,
     BatchPolicy,
+    BusyShare,
     ContinuousScheduler,
     DynamicBatcher,
     Finish,
@@ -164,6 +165,10 @@ class EngineCore(abc.ABC):
         one ends; 0 takes none."""
         return 0
 
+    def background_allowed(self, now: float) -> bool:
+        """Whether background work may run now (interactive work leaves room for it)."""
+        return True
+
     @abc.abstractmethod
     def has_work(self) -> bool:
         """Anything to run or to answer."""
@@ -209,6 +214,8 @@ class BatchCore(EngineCore):
         self.background: DynamicBatcher[Job] = DynamicBatcher(policy.for_background(), self.batcher.service)
         self._slice_s = policy.background_slice_ms / 1000.0
         self._slice_started: float | None = None  # a background slice is running since (monotonic)
+        self._interactive_busy = BusyShare()
+        self._max_busy = policy.background_max_busy
 
     @property
     def runner(self) -> Runner:
@@ -244,7 +251,7 @@ class BatchCore(EngineCore):
     def next(self, now: float, max_s: float | None = None) -> Next:
         # The executor is free whenever the shell asks (one batch at a time): work-conserving.
         batch = self.batcher.next_batch(now, max_batch_s=max_s)
-        if batch is None and self.background:  # nothing interactive waits: one slice of background work
+        if batch is None and self.background and self.background_allowed(now):  # one slice of background work
             slice_s = self._slice_s if max_s is None else min(max_s, self._slice_s)
             batch = self.background.next_batch(now, max_batch_s=slice_s)
             self._slice_started = now if batch is not None else None
@@ -298,6 +305,8 @@ class BatchCore(EngineCore):
             ended, self._slice_started = outcome.started + took, None
             if came := [p.arrival for p in self.batcher]:
                 self.observer.behind_background(self.name, max(0.0, ended - min(came)))
+        else:
+            self._interactive_busy.add(outcome.started + took, took)
         if outcome.error is not None:  # the call itself failed, beyond what ``_run`` answers for
             answers: list[tuple[list[Any], int] | BaseException] = [outcome.error] * len(jobs)
             split = False
@@ -336,6 +345,9 @@ class BatchCore(EngineCore):
     def background_buffered(self) -> int:
         return self.background.pending_inputs
 
+    def background_allowed(self, now: float) -> bool:
+        return self._interactive_busy.share(now) < self._max_busy
+
     def background_room(self) -> int:
         # Slices enough to cover a fetch's round trip (the broker holds an empty fetch up to 50 ms).
         return 4 * self.batcher.policy.max_batch_size
@@ -346,6 +358,8 @@ class BatchCore(EngineCore):
     def wake_at(self, now: float, idle: bool) -> float | None:
         times = [t for t in (self.batcher.wake_at(now, idle=idle), self.background.wake_at(now, idle=idle))
                  if t is not None]
+        if self.background and not self.background_allowed(now):
+            times.append(now + 0.1)  # held back by the interactive load: see again whether it has eased
         return min(times, default=None)
 
 

@@ -382,7 +382,7 @@ class Membership:
                 held.add(prio)
             elif buffered <= share * cap - cap / 8:
                 held.discard(prio)
-        idle = not draining and buffered == 0 and not _behind(
+        idle = not draining and buffered == 0 and feed.core.background_allowed(time.monotonic()) and not _behind(
             consumer, [tp for tp in consumer.assignment() if not feed.priority(tp).background])
         if idle and background < feed.core.background_room():
             held.discard(Priority.P3)

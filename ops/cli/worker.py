@@ -29,6 +29,8 @@ POLICY_FLAGS = {
     "codel_interval_ms": "how long a standing queue must last before CoDel sheds",
     "background_slice_ms": "background work (p3) runs in batches predicted to take at most this: what an "
                            "interactive request arriving meanwhile may wait for it",
+    "background_max_busy": "background work runs only while interactive work keeps the model busy less than this "
+                           "share of the time",
 }
 WORKER_FLAGS = {
     "device": "auto: CUDA when torch sees a GPU, else CPU",

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kinfer.batcher import BatchPolicy, ContinuousScheduler, Finish, GenPolicy, Sequence
+from kinfer.batcher import BatchPolicy, BusyShare, ContinuousScheduler, Finish, GenPolicy, Sequence
 from kinfer.topics import Priority, Result, Status
 from tests.unit.consumers.test_cores import FAR, T0, batch_core, drain_batches, execute, gen_core, job, request
 
@@ -138,3 +138,30 @@ def test_the_wait_for_a_slice_is_reported_from_the_first_arrival_to_the_slice_en
     assert plan.work is not None
     core.complete(plan.work, execute(plan.work, T0 + 0.02))
     assert len(calls) == 1
+
+
+def test_near_the_peak_background_work_waits_until_interactive_load_eases() -> None:
+    core, _, _ = batch_core(BatchPolicy(max_batch_size=4, background_max_busy=0.8))
+    now = T0
+    for i in range(60):  # interactive work back to back for 6 s: the executor busy all the time
+        core.admit(job(request(f"i{i}", (f"i{i}",))), now)
+        plan = core.next(now)
+        assert plan.work is not None
+        core.complete(plan.work, execute(plan.work, now, took_s=0.1))
+        now += 0.1
+    core.admit(job(request("b0", ("b0",), priority=BG)), now)
+    assert not core.background_allowed(now) and core.next(now).work is None
+    assert core.wake_at(now, idle=True) == pytest.approx(now + 0.1)  # it looks again
+    later = now + 3.0  # the load eased: three seconds with nothing interactive
+    assert core.background_allowed(later)
+    plan = core.next(later)
+    assert plan.work is not None and plan.work.call().answers[0][0] == ["out(b0)"]
+
+
+def test_the_busy_share_is_an_average_over_the_last_seconds() -> None:
+    share = BusyShare(tau_s=2.0)
+    assert share.share(0.0) == 0.0
+    for i in range(200):  # half of every second computing, for 20 s
+        share.add(i * 0.1 + 0.05, 0.05)
+    assert share.share(19.95) == pytest.approx(0.5, rel=0.1)
+    assert share.share(19.95 + 10.0) < 0.01
