@@ -128,12 +128,12 @@ def run(args: argparse.Namespace) -> int:
             # The background topic came later than the others: a deployment may not have it yet. The worker
             # serves the rest meanwhile.
             later = [t for t in missing if parse_request_topic(t)[1].background]
-            if later:
-                log.warning("no background topics %s: create them with `kinfer topics %s`, then restart the worker; "
-                            "it serves p0-p2 meanwhile", ", ".join(later), names)
             if missing := [t for t in missing if t not in later]:
                 raise ValueError(f"no topics {', '.join(missing)}: create them with `kinfer topics {names}` "
                                  "or start the worker with --create-topics")
+            if later:
+                log.warning("no background topics %s: create them with `kinfer topics %s`, then restart the worker; "
+                            "it serves p0-p2 meanwhile", ", ".join(later), names)
         worker = Worker(settings)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
