@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncGenerator
-from typing import Annotated
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Annotated, TypeVar
 
 import msgspec
 from msgspec.structs import replace
@@ -41,6 +41,7 @@ from kinfer.topics.batches import (
 )
 
 MAX_LIST = 100  # objects one list call returns
+T = TypeVar("T", FileObject, BatchObject)
 
 
 class CreateBatchBody(msgspec.Struct, kw_only=True):
@@ -80,6 +81,17 @@ class BatchAPI:
         who = self.gateway.authenticate(request.headers)
         return await self.gateway.admit(who, route)
 
+    def _own(self, request: Request, table: Mapping[str, T], key: str, valid: Callable[[str], bool]) -> T | None:
+        """The caller's entry ``key`` of ``table``: None for an id that is malformed, unknown or another's."""
+        found = table.get(key) if valid(key) else None
+        return found if found is not None and found.tenant == self._tenant(request) else None
+
+    def _mine(self, request: Request, table: Mapping[str, T]) -> list[T]:
+        """The caller's entries of ``table``, newest first."""
+        tenant = self._tenant(request)
+        return sorted((e for e in table.values() if e.tenant == tenant), key=lambda e: (e.created_at, e.id),
+                      reverse=True)
+
     # -- files --------------------------------------------------------------------------------------
 
     async def upload(self, request: Request) -> Response:
@@ -106,18 +118,14 @@ class BatchAPI:
         return json_response(meta.to_openai())
 
     def _file(self, request: Request) -> FileObject | None:
-        file_id = request.path_params["file_id"]
-        meta = self.store.view.files.get(file_id) if valid_file_id(file_id) else None
-        return meta if meta is not None and meta.tenant == self._tenant(request) else None
+        return self._own(request, self.store.view.files, request.path_params["file_id"], valid_file_id)
 
     async def get_file(self, request: Request) -> Response:
         meta = self._file(request)
         return json_response(meta.to_openai()) if meta else _not_found("file", request.path_params["file_id"])
 
     async def list_files(self, request: Request) -> Response:
-        tenant = self._tenant(request)
-        mine = sorted((f for f in self.store.view.files.values() if f.tenant == tenant),
-                      key=lambda f: (f.created_at, f.id), reverse=True)
+        mine = self._mine(request, self.store.view.files)
         return json_response({"object": "list", "data": [f.to_openai() for f in mine[:10_000]], "has_more": False})
 
     async def content(self, request: Request) -> Response:
@@ -151,21 +159,17 @@ class BatchAPI:
         return json_response(batch.to_openai())
 
     def _batch(self, request: Request) -> BatchObject | None:
-        batch_id = request.path_params["batch_id"]
-        batch = self.store.view.batches.get(batch_id) if valid_batch_id(batch_id) else None
-        return batch if batch is not None and batch.tenant == self._tenant(request) else None
+        return self._own(request, self.store.view.batches, request.path_params["batch_id"], valid_batch_id)
 
     async def get_batch(self, request: Request) -> Response:
         batch = self._batch(request)
         return json_response(batch.to_openai()) if batch else _not_found("batch", request.path_params["batch_id"])
 
     async def list_batches(self, request: Request) -> Response:
-        tenant = self._tenant(request)
         limit = ascii_int(request.query_params.get("limit", "20"), 1, MAX_LIST)
         if limit is None:
             raise InvalidRequest(f"limit must be a whole number within 1..{MAX_LIST}", "limit")
-        mine = sorted((b for b in self.store.view.batches.values() if b.tenant == tenant),
-                      key=lambda b: (b.created_at, b.id), reverse=True)
+        mine = self._mine(request, self.store.view.batches)
         after = request.query_params.get("after")
         if after is not None:
             ids = [b.id for b in mine]

@@ -398,6 +398,16 @@ class Client:
             if not buffer.finished:
                 await self._cancel(model, request.id)
 
+    async def _checked(self, request: Request) -> tuple[bytes, str, list[tuple[str, bytes]] | None]:
+        """The request packed and checked as a worker checks it (fail here, not there), its topic (known to
+        exist) and its signature headers."""
+        data = pack(request)
+        decode_request(data, self.settings.limits)
+        topic = request_topic(request.model, request.priority)
+        headers = self._sign(request, data)
+        await self._check_topic(topic, request)
+        return data, topic, headers
+
     def _sign(self, request: Request, data: bytes) -> list[tuple[str, bytes]] | None:
         """The signature headers for ``request`` when this client signs (else None)."""
         if self.settings.signer is None:
@@ -411,11 +421,7 @@ class Client:
         """Publish a request whose reply goes where it says, to someone else (the Batch API's runner reads
         a batch's reply topic): the broker's acknowledgement is the whole answer. Checked as ``infer``
         checks its own; signed for its tenant when this client signs."""
-        data = pack(request)
-        decode_request(data, self.settings.limits)
-        topic = request_topic(request.model, request.priority)
-        headers = self._sign(request, data)
-        await self._check_topic(topic, request)
+        data, topic, headers = await self._checked(request)
         await self._publish(topic, data, request, headers)
 
     async def _prepare(
@@ -439,12 +445,7 @@ class Client:
             batch_reply=True,  # our reply readers take several results in one message
             reply_key=self._replies.key,  # replies come sealed with it: a forged one is dropped
         )
-        data = pack(request)
-        decode_request(data, self.settings.limits)  # the worker's own check: fail here, not there
-        topic = request_topic(model, request.priority)
-        headers = self._sign(request, data)
-        await self._check_topic(topic, request)
-        return request, data, topic, headers
+        return (request, *await self._checked(request))
 
     def _throttle(self, model: str) -> AdaptiveThrottle:
         return self._throttles.setdefault(model, AdaptiveThrottle())

@@ -17,6 +17,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -157,5 +158,25 @@ async def test_a_file_with_a_bad_line_fails_its_batch_naming_the_line(
                                          completion_window="24h")
             with pytest.raises(openai.BadRequestError):
                 await oai.files.create(file=("input.jsonl", data), purpose="fine-tune")
+        # Hostile uploads: each a 4xx naming what is wrong, and the gateway serves on.
+        boundary = "b0undary"
+        form = f"multipart/form-data; boundary={boundary}"
+        part = f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        hostile = [
+            ("application/json", b'{"purpose": "batch"}'),  # not a form
+            ("multipart/form-data", b"--x\r\n"),  # no boundary
+            (form, part.encode()),  # cut off: no closing boundary, no file
+            (form, (part + f"--{boundary}--\r\n").encode()),  # no file
+            (form, b"\x00" * 10_000),  # not a form at all
+            (form, (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n'
+                    + "[" * 100_000 + f"\r\n--{boundary}--\r\n").encode()),  # no purpose; deep nesting inside
+        ]
+        async with httpx.AsyncClient(base_url=url.removesuffix("/v1"), timeout=30,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+            for content_type, body in hostile:
+                r = await http.post("/v1/files", content=body, headers={"Content-Type": content_type})
+                assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (content_type, body[:60], r.text)
+            r = await http.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
+            assert r.status_code == 200, r.text
     finally:
         stop_process(gateway)

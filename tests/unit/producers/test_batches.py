@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 
+import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kinfer.producers.batches import LineRefused, output_line, parse_file, parse_line
+from kinfer.producers.batches import BatchRunner, BatchStore, LineRefused, output_line, parse_file, parse_line
 from kinfer.topics import Result, Status
-from kinfer.topics.batches import MAX_BATCH_LINES, BatchObject
+from kinfer.topics.batches import BATCHES_TOPIC, FILES_TOPIC, MAX_BATCH_LINES, BatchObject
 
 EMB = "/v1/embeddings"
 
@@ -91,3 +92,41 @@ def test_the_errors_of_any_file_fit_a_batch_state_that_reads_back(data: list[byt
     state = BatchObject("batch_" + "2" * 24, "t", EMB, "file-" + "3" * 24, 1, 2, "failed", b"k" * 16,
                         errors=errors[:100])
     assert BatchObject.unpack(state.pack()) == state
+
+
+msgpack_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=30) | st.binary(max_size=30),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    max_leaves=25,
+)
+record_values = (st.none() | st.binary(max_size=400) | msgpack_like.map(msgpack.packb)
+                 | st.integers(1, 100_000).map(lambda depth: b"\x91" * depth + b"\xc0"))  # deep nesting
+record_keys = (st.none() | st.binary(max_size=60)
+               | st.sampled_from([b"f:file-" + b"0" * 24, b"c:file-" + b"0" * 24 + b":1", b"c:x:y", b"c:", b"f:",
+                                  b"batch_" + b"1" * 24]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(topic=st.sampled_from([FILES_TOPIC, BATCHES_TOPIC]), key=record_keys, value=record_values,
+       offset=st.integers(0, 2**62))
+def test_the_stores_view_takes_any_single_record_and_goes_on(topic: str, key: bytes | None, value: bytes | None,
+                                                              offset: int) -> None:
+    store = BatchStore("127.0.0.1:1")
+    store._apply(topic, key, value, offset)  # never raises: the follower would meet the record again on restart
+    good = BatchObject("batch_" + "1" * 24, "t", EMB, "file-" + "3" * 24, 1, 2, "validating", b"k" * 16)
+    store._apply(BATCHES_TOPIC, good.id.encode(), good.pack(), offset + 1)
+    assert store.view.batches[good.id] == good  # and the next record still counts
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=record_values)
+def test_a_batch_collects_only_results_sealed_with_its_key_whatever_its_reply_topic_holds(value: bytes | None) -> None:
+    line = parse_line(EMB, line_of("x"), 1)
+    results: dict[str, Result] = {}
+    BatchRunner._take(value, b"k" * 16, {"b-1": line}, results)
+    assert results == {}  # nothing but a reply sealed with the batch's own key is ever taken
+
+
+def line_of(custom_id: str) -> bytes:
+    return line(custom_id, model="minilm", input="x")
