@@ -38,8 +38,6 @@ from typing import Any
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
 from msgspec.structs import replace
 
 from kinfer.producers.client import Client
@@ -53,7 +51,7 @@ from kinfer.producers.openai_api import (
     embeddings_answer,
 )
 from kinfer.topics import InvalidRequest, Priority, Request, Result, Status, now_ms
-from kinfer.topics.admin import TopicSpec, batch_topic_specs, ensure_topics
+from kinfer.topics.admin import TopicSpec, batch_topic_specs, delete_topics, ensure_topics
 from kinfer.topics.batches import (
     BATCH_RUNNER_GROUP,
     BATCHES_TOPIC,
@@ -552,14 +550,4 @@ class BatchRunner:
         await self.store.put_batch(replace(batch, status=status, request_counts=counts, **ended,
                                            output_file_id=out_meta.id if out_meta else None,
                                            error_file_id=err_meta.id if err_meta else None))
-        await self._delete_topic(batch_reply_topic(batch.id))
-
-    async def _delete_topic(self, topic: str) -> None:
-        admin = AIOKafkaAdminClient(**kafka_options(self.store.bootstrap))
-        try:
-            await admin.start()
-            await admin.delete_topics([topic])
-        except KafkaError as exc:
-            log.warning("deleting %s failed (its retention removes it): %s", topic, exc)
-        finally:
-            await admin.close()
+        await delete_topics(self.store.bootstrap, [batch_reply_topic(batch.id)])  # else its retention removes it

@@ -115,6 +115,21 @@ async def ensure_topics(bootstrap: str, specs: Iterable[TopicSpec]) -> dict[str,
         await admin.close()
 
 
+async def delete_topics(bootstrap: str, names: list[str]) -> bool:
+    """Delete ``names`` (what a benchmark's models or a finished batch leave behind); False, logged, when the
+    cluster refuses or cannot be reached: the topics stay, harming nothing but listings."""
+    admin = AIOKafkaAdminClient(**kafka_options(bootstrap, request_timeout_ms=15_000))
+    try:
+        await admin.start()
+        await admin.delete_topics(names)
+        return True
+    except KafkaError as exc:
+        log.warning("deleting %s failed: %s", ", ".join(names[:5]), exc)
+        return False
+    finally:
+        await admin.close()
+
+
 async def missing_topics(bootstrap: str, names: list[str]) -> list[str]:
     """Which of ``names`` the cluster does not have."""
     admin = AIOKafkaAdminClient(**kafka_options(bootstrap, request_timeout_ms=15_000))

@@ -34,9 +34,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
-
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import local_stack, log
 from kinfer.ops.bench.load import fire
@@ -49,8 +46,7 @@ from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.topics import DeadlineExceeded, KinferError
-from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
-from kinfer.topics.connect import kafka_options
+from kinfer.topics.admin import delete_topics, ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
 from kinfer.topics.names import request_topics
 
 SLA_MS = 250.0  # per request: the P99 bound
@@ -146,19 +142,8 @@ def bench_autoscale(trace: Trace | None = None, per_input_ms: float = 10.0, poli
             return report
         finally:
             stop_process(telemetry)
-            asyncio.run(_delete_topics(info, models))
-
-
-async def _delete_topics(info: StackInfo, models: tuple[str, ...]) -> None:
-    """The benchmark's models go with it: nobody serves them any more (a listing must not offer them)."""
-    admin = AIOKafkaAdminClient(**kafka_options(info.bootstrap))
-    await admin.start()
-    try:
-        await admin.delete_topics([t for m in models for t in request_topics(m)])
-    except KafkaError as exc:
-        log(f"could not delete the benchmark's topics: {exc}")
-    finally:
-        await admin.close()
+            # The benchmark's models go with it: nobody serves them any more (a listing must not offer them).
+            asyncio.run(delete_topics(info.bootstrap, [t for m in models for t in request_topics(m)]))
 
 
 async def _autoscaled(info: StackInfo, model: str, trace: Trace, policy: ScalePolicy, worker_args: list[str],

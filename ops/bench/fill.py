@@ -46,8 +46,8 @@ from kinfer.ops.localstack.procs import scrape, spawn_worker, stop_process, wait
 from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics import KinferError, Priority
-from kinfer.topics.admin import ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
-from kinfer.topics.names import request_topic
+from kinfer.topics.admin import delete_topics, ensure_topics, model_topic_specs, offset_clients, shared_topic_specs
+from kinfer.topics.names import request_topic, request_topics
 
 RUNS = (("no_batch", "no batch"), ("without_tier", "batch as p2"), ("with_tier", "batch as background"))
 
@@ -136,6 +136,7 @@ async def _run(info: StackInfo, setup: FillSetup, key: str) -> dict[str, Any]:
     finally:
         for proc in workers:
             stop_process(proc)
+        await delete_topics(info.bootstrap, request_topics(model))  # nobody serves it any more
 
 
 async def _measure(client: Client, setup: FillSetup, key: str, model: str, ports: list[int]) -> dict[str, Any]:
