@@ -19,11 +19,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_a_batch_as_background_work_is_answered_whole_and_costs_interactive_traffic_nothing(
     stack: StackInfo,
 ) -> None:
-    report = bench_fill(FillSetup(seconds=8.0, batch=1_500, bucket_s=2.0), info=stack)
+    # A slower accelerator than the benchmark's (216 requests/s for two workers): the same shape, at a
+    # quarter of the CPU the suite's other tests share the box with.
+    setup = FillSetup(seconds=8.0, batch=600, bucket_s=2.0, compute_ms=20.0, per_input_ms=8.0)
+    report = bench_fill(setup, info=stack)
     none, p2, tier = report["no_batch"], report["without_tier"], report["with_tier"]
 
     assert none["interactive_offered"] == p2["interactive_offered"] == tier["interactive_offered"] > 0
-    assert tier["batch_ok"] == tier["batch_requests"] == 1_500 and tier["batch_refused"] == {}
+    assert tier["batch_ok"] == tier["batch_requests"] == 600 and tier["batch_refused"] == {}
     assert tier["batch_done_s"] is not None and tier["max_wait_behind_background_ms"] is not None
     assert tier["deadline_misses"] <= none["deadline_misses"] + none["interactive_offered"] // 100  # a busy box's noise
     # As p2 traffic the batch competes: shed in part, or interactive requests miss their deadlines.
