@@ -174,7 +174,6 @@ class Feed:
     swap_in_ms: dict[str, float] = field(default_factory=dict)  # last measured, by source tier
     retry_at: float = 0.0  # a failed swap: not tried again before this (monotonic)
     running: int = 0  # model calls of it in the executor now
-    refill: bool = False  # background work runs and nothing else waits: fetch again soon (flow control)
 
     def busy(self) -> bool:
         """Requests of it in this process: buffered, running, or replies not yet out (a running call

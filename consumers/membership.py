@@ -68,23 +68,6 @@ def leave_on_stop(consumer: AIOKafkaConsumer) -> None:
         coordinator._group_instance_id = None
 
 
-def _behind(consumer: AIOKafkaConsumer, partitions: list[TopicPartition]) -> bool:
-    """Whether any of ``partitions`` has records this consumer has not handed out yet, as of its last
-    fetch from them (not known, as before the first fetch: yes). Reads aiokafka's own partition state,
-    which ``position()`` would await and ``highwater()`` half exposes."""
-    try:
-        assignment = consumer._subscription.subscription.assignment
-        for tp in partitions:
-            state = assignment.state_value(tp)
-            if state is None or state.highwater is None or not state.has_valid_position:
-                return True
-            if state.position < state.highwater:
-                return True
-    except (AttributeError, AssertionError):  # an aiokafka that keeps it elsewhere: take no background work
-        return True
-    return False
-
-
 class Membership:
     """Joins, leaves and fetches for every feed of one worker; ``start`` before the first join."""
 
@@ -265,7 +248,7 @@ class Membership:
             try:
                 # A careful stretch waits on every record's commit with every partition paused: poll
                 # often then, so the next record is fetched as soon as the token is free.
-                poll_ms = 5 if feed.guard.careful_any() or self.careful.busy else 10 if feed.refill else 100
+                poll_ms = 5 if feed.guard.careful_any() or self.careful.busy else 100
                 data = await consumer.getmany(timeout_ms=poll_ms, max_records=room)
                 backoff.reset()
             except KafkaError as exc:
@@ -279,6 +262,7 @@ class Membership:
             now, wall = time.monotonic(), now_ms()
             for tp, records in data.items():
                 self._take(feed, consumer, tp, records, now, wall)
+            self._flow_control(feed, consumer)  # before the fetcher asks for more of what is now full
             self.observer.buffered(feed.name, feed.core.buffered())
             self.signals.wake.set()
 
@@ -286,7 +270,11 @@ class Membership:
               records: list[ConsumerRecord[bytes, bytes]], now: float, wall: int) -> None:
         """One partition's fetched records, in order, as the poison guard says (``consumers.poison``)."""
         priority = feed.priority(tp)
+        background_room = feed.core.background_room() if priority.background else 0
         for record in records:
+            if priority.background and feed.core.background_buffered() >= background_room:
+                consumer.seek(tp, record.offset)  # held for its slices is enough: the rest stays on the broker
+                break
             verdict = feed.guard.verdict(tp, record.offset)
             if verdict is Verdict.DEFER:  # careful: one record at a time, the rest fetched again
                 consumer.seek(tp, feed.guard.refetch_from(tp, record.offset))
@@ -359,6 +347,12 @@ class Membership:
             self._intake(feed, tp, priority, record, time.monotonic(), now_ms())
             self.signals.wake.set()
 
+    def ran(self, feed: Feed) -> None:
+        """Work of ``feed`` ended: what it held may have drained below a mark, resume at once (the
+        fetch loop may be waiting out its poll)."""
+        if feed.consumer is not None and feed.fetching is not None and not feed.fetching.done():
+            self._flow_control(feed, feed.consumer)
+
     def _flow_control(self, feed: Feed, consumer: AIOKafkaConsumer) -> None:
         """Kafka is the queue: the in-process buffer is bounded, with room kept for urgent work.
 
@@ -368,9 +362,10 @@ class Membership:
         and lower priorities stay visible to the batcher (which can refuse them explicitly) for as
         long as there is room.
 
-        Background work (p3) is fetched from spare capacity only: while nothing of p0-p2 is buffered
-        here or waits on this worker's own p0-p2 partitions (aiokafka's position has reached the
-        high watermark of the last fetch), and only as much as the core holds for its next slices.
+        Background work (p3) is fetched while the core holds less than its ``background_room`` (what
+        its next slices need), again once it has run down to half of that: fetching it never waits on
+        the interactive load (the core runs it only from spare capacity), and the room bounds what a
+        worker holds of it, records beyond it are left on the broker (``_take``).
         """
         cap = self.settings.max_buffered_inputs
         background = feed.core.background_buffered()
@@ -382,14 +377,11 @@ class Membership:
                 held.add(prio)
             elif buffered <= share * cap - cap / 8:
                 held.discard(prio)
-        idle = not draining and buffered == 0 and feed.core.background_allowed(time.monotonic()) and not _behind(
-            consumer, [tp for tp in consumer.assignment() if not feed.priority(tp).background])
-        if idle and background < feed.core.background_room():
-            held.discard(Priority.P3)
-        else:
+        room = feed.core.background_room()
+        if draining or background >= room:
             held.add(Priority.P3)
-        # Background work runs now: look again soon, so that the next slices are here before it runs dry.
-        feed.refill = idle and background > 0
+        elif background <= room // 2:
+            held.discard(Priority.P3)
         # Marks not read yet, careful partitions while a careful record is in flight; and while one is,
         # nothing else at all: it runs alone.
         guarded = set(consumer.assignment()) if feed.guard.quiet else feed.guard.held()

@@ -9,6 +9,7 @@ which awaits while changing shared state, so no locks:
     membership (``consumers.membership``)
         fetch loop (per feed)   getmany() → decode (bad records → DLQ + ``invalid``) → core.admit
                                 pauses a priority's partitions when the buffer reaches its share
+                                (background: the core's room, resumed at half as its work ends)
         rebalances              partitions taken with their last owner's mark read, given up committed
     swapping (``consumers.swapping``)
         report loop             where each model's weights are, to ``kinfer:residency`` every 2 s
@@ -19,6 +20,7 @@ which awaits while changing shared state, so no locks:
     this module, the shell that ties them together
         dispatch loop           core.shed → replies; when the executor is free, DeficitRoundRobin
                                 picks a core → core.next → executor → core.complete → replies
+                                (a call that ends starts the next at once, before its replies go)
         publish tasks           replies out (one Redis pipeline per batch), then their offsets are done
         commit loop             commits, at most every ``commit_interval_ms``, the highest offsets
                                 whose replies are out
@@ -111,6 +113,7 @@ class Worker:
         self._executor = ThreadPoolExecutor(self.executors, thread_name_prefix="kinfer-model")
         self._signals = Signals()
         self._computing: dict[asyncio.Task[None], float] = {}  # running work -> when it is predicted to end
+        self._dispatching = False  # the dispatch loop runs: work may start
         self._publishing: set[asyncio.Task[None]] = set()
         self._tg: asyncio.TaskGroup | None = None
         self._sink: ReplySink | None = None
@@ -190,16 +193,11 @@ class Worker:
     async def _dispatch_loop(self) -> None:
         drain_until: float | None = None
         feeds = list(self.feeds.values())
+        self._dispatching = True
         while True:
             self._signals.wake.clear()
             now = time.monotonic()
-            idle = self._slot_free()
-            free_at = now if idle else max(now, min(self._computing.values()))
-            for feed in feeds:
-                if shed := feed.core.shed(now, free_at):
-                    self._reply(feed, shed)
-            if idle:
-                self._start_next(now)
+            self._dispatch(now)
             if self._signals.stopping.is_set():
                 drain_until = drain_until or now + self.settings.drain_timeout_s
                 busy = bool(self._computing) or any(feed.core.has_work() for feed in feeds)
@@ -207,6 +205,7 @@ class Worker:
                     queued = sum(feed.core.buffered() for feed in feeds)
                     if queued:
                         log.warning("drain timeout: %d requests left for redelivery", queued)
+                    self._dispatching = False
                     break
             idle = self._slot_free()
             wakes = [w for feed in feeds if (w := feed.core.wake_at(now, idle)) is not None]
@@ -221,6 +220,16 @@ class Worker:
             await asyncio.gather(*list(self._publishing))
         self._signals.drained.set()
         self._signals.commit.set()
+
+    def _dispatch(self, now: float) -> None:
+        """Refuse what can no longer be served in time, then start work on every free executor."""
+        idle = self._slot_free()
+        free_at = now if idle else max(now, min(self._computing.values()))
+        for feed in self.feeds.values():
+            if shed := feed.core.shed(now, free_at):
+                self._reply(feed, shed)
+        if idle:
+            self._start_next(now)
 
     def _slot_free(self) -> bool:
         return len(self._computing) < self.executors
@@ -237,17 +246,19 @@ class Worker:
             plan = feed.core.next(now, self._max_batch_s)
             if plan.replies:
                 self._reply(feed, plan.replies)
-            if plan.work is not None:
-                task = self._spawn(self._run(feed, plan.work))
+            if plan.work is not None:  # on the executor now; a task awaits it
+                started = time.monotonic()
+                call = asyncio.get_running_loop().run_in_executor(self._executor, plan.work.call)
+                feed.running += 1
+                task = self._spawn(self._run(feed, plan.work, call, started))
                 self._computing[task] = now + plan.work.predicted_s
                 continue
             ready.discard(name)  # nothing to start (a naive window holding back, or only evictions)
 
-    async def _run(self, feed: Feed, work: Work) -> None:
-        started = time.monotonic()
-        feed.running += 1
+    async def _run(self, feed: Feed, work: Work, call: asyncio.Future[Any], started: float) -> None:
+        """``work`` runs on the executor since ``started`` (``call``): answer it, and start what is next."""
         try:
-            value = await asyncio.get_running_loop().run_in_executor(self._executor, work.call)
+            value = await call
             error = None
         except Exception as exc:  # the core answers the requests of the failed work with errors
             log.exception("%s: model call failed", feed.name)
@@ -257,9 +268,12 @@ class Worker:
         took = time.monotonic() - started
         self._fair.charge(feed.name, took)
         replies = feed.core.complete(work, Outcome(value, error, started, took))
+        self._membership.ran(feed)
         task = asyncio.current_task()
         if task is not None:
             self._computing.pop(task, None)
+        if self._dispatching:  # the executor's next work starts now, before these replies go out
+            self._dispatch(time.monotonic())
         self._signals.wake.set()
         if replies:
             self._reply(feed, replies)
