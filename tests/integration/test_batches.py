@@ -1,6 +1,7 @@
 """OpenAI's Batch API on the live stack, driven by the official ``openai`` package against ``kinfer
-gateway`` processes: a batch survives the gateway that took it being killed mid-batch, and tenants
-see only their own files and batches.
+gateway`` processes: a batch survives the gateway that took it being killed mid-batch, two gateways
+running at once serve the same files and batches (either may cancel one), and tenants see only their
+own files and batches.
 
 The worker is paused while the batch is published, so the gateway is killed (SIGKILL) with every
 request waiting; another gateway, started after, finds the batch in Kafka, collects its results from
@@ -180,3 +181,48 @@ async def test_a_file_with_a_bad_line_fails_its_batch_naming_the_line(
             assert r.status_code == 200, r.text
     finally:
         stop_process(gateway)
+
+
+async def test_two_gateways_serve_one_batch_and_either_may_cancel_it(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    # Every request waits (the worker is paused), so the batch is in progress when it is cancelled.
+    worker = spawn_worker(topics, "--family", "noop")
+    async with Client(stack.bootstrap, stack.redis_url) as c:
+        await wait_until_served(c, topics)
+    tenants = tenants_file(tmp_path)
+    gateways = [start_gateway(stack, tenants, tmp_path / f"gateway-{i}.log") for i in range(2)]
+    (one, url_one), (two, url_two) = gateways
+    try:
+        for i, (proc, url) in enumerate(gateways):
+            await until_up(url, proc, tmp_path / f"gateway-{i}.log")
+        lines = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": topics, "input": f"line {i}"}} for i in range(40)]
+        data = "\n".join(json.dumps(line) for line in lines).encode()
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            async with openai.AsyncOpenAI(base_url=url_one, api_key=KEY, max_retries=0) as oai:
+                uploaded = await oai.files.create(file=("input.jsonl", data), purpose="batch")
+                batch = await oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                                 completion_window="24h")
+            # The other gateway knows the file and the batch, and cancels it.
+            running = await status_of(url_two, batch.id, {"in_progress"})
+            assert running.input_file_id == uploaded.id and running.request_counts is not None \
+                and running.request_counts.total == len(lines)
+            async with openai.AsyncOpenAI(base_url=url_two, api_key=KEY, max_retries=0) as oai:
+                assert (await oai.files.retrieve(uploaded.id)).bytes == len(data)
+                cancelling = await oai.batches.cancel(batch.id)
+                assert cancelling.status in ("cancelling", "cancelled")
+            done = await status_of(url_one, batch.id, {"cancelled", "completed", "failed", "expired"})
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        assert done.status == "cancelled" and done.cancelled_at is not None, done
+        assert done.request_counts is not None and done.request_counts.total == len(lines)
+        assert done.request_counts.completed < len(lines)  # nothing was answered while the worker slept
+        async with openai.AsyncOpenAI(base_url=url_one, api_key=KEY, max_retries=0) as oai:
+            with pytest.raises(openai.ConflictError):  # a cancelled batch stays cancelled
+                await oai.batches.cancel(batch.id)
+            assert [b.status for b in (await oai.batches.list()).data if b.id == batch.id] == ["cancelled"]
+    finally:
+        for proc, _ in gateways:
+            stop_process(proc)
