@@ -192,7 +192,7 @@ async def test_two_gateways_serve_one_batch_and_either_may_cancel_it(
         await wait_until_served(c, topics)
     tenants = tenants_file(tmp_path)
     gateways = [start_gateway(stack, tenants, tmp_path / f"gateway-{i}.log") for i in range(2)]
-    (one, url_one), (two, url_two) = gateways
+    (_, url_one), (_, url_two) = gateways
     try:
         for i, (proc, url) in enumerate(gateways):
             await until_up(url, proc, tmp_path / f"gateway-{i}.log")
