@@ -31,6 +31,8 @@ SCALE_FLAGS = {
     "down_window_s": "scale down only to the highest recommendation over this window (and to zero after it idle)",
     "smoothing_s": "time constant of the arrival rate's smoothing as it falls (it rises at once)",
     "replica_rps": "records/s one worker drains while busy, if known (0: measured from telemetry and offsets)",
+    "background_within_s": "drain background (p3) records within this long, beside the arrivals (0: they never "
+                           "scale a model up, only keep one worker)",
 }
 
 

@@ -49,9 +49,9 @@ from kinfer.ops.control.scaling import (
     ScaleState,
     scale_state_key,
 )
-from kinfer.topics import now_ms
+from kinfer.topics import Priority, now_ms
 from kinfer.topics.admin import offset_clients
-from kinfer.topics.names import consumer_group
+from kinfer.topics.names import consumer_group, request_topic
 from kinfer.topics.readers import Supervised
 
 log = logging.getLogger(__name__)
@@ -196,16 +196,37 @@ class AutoscaleLoop:
         await pipe.execute()
 
 
+KEDA_NO_SCALE_UP = 2**31 - 1  # a lag threshold no backlog reaches: one replica while any waits, never more
+
+
 def keda_scaled_object(model: str, bootstrap: str, policy: ScalePolicy, *, deployment: str, namespace: str,
                        target_wait_ms: float = 100.0, polling_s: int = 5) -> dict[str, Any]:
     """The KEDA ScaledObject closest to ``kinfer autoscale``: KEDA's Kafka scaler asks for
-    ``total lag / lagThreshold`` replicas, so the threshold is the lag one replica clears within
+    ``lag / lagThreshold`` replicas, so the threshold is the lag one replica clears within
     ``target_wait_ms`` at the target utilisation (which needs ``policy.replica_rps``: KEDA cannot
-    measure it). Cooldowns and the down window become the HPA's behaviour."""
+    measure it). One trigger per interactive topic (the HPA takes the largest); the background topic's
+    lag keeps one replica and adds none, unless ``background_within_s`` asks for its records to be
+    drained within that long. Cooldowns and the down window become the HPA's behaviour."""
     if policy.replica_rps <= 0:
         raise ValueError("--emit keda needs --replica-rps (what one worker drains while busy): "
                          "KEDA sizes by lag per replica and cannot measure it")
-    threshold = max(1, math.floor(policy.replica_rps * policy.target_utilisation * target_wait_ms / 1000.0))
+    per_s = policy.replica_rps * policy.target_utilisation
+    threshold = max(1, math.floor(per_s * target_wait_ms / 1000.0))
+    background = (max(1, math.floor(per_s * policy.background_within_s)) if policy.background_within_s > 0
+                  else KEDA_NO_SCALE_UP)
+
+    def trigger(priority: Priority, lag_threshold: int) -> dict[str, Any]:
+        return {"type": "kafka", "metadata": {
+            "bootstrapServers": bootstrap,
+            "consumerGroup": consumer_group(model),
+            "topic": request_topic(model, priority),
+            "lagThreshold": str(lag_threshold),
+            "activationLagThreshold": "0",
+            "offsetResetPolicy": "earliest",
+            "allowIdleConsumers": "false",  # never more replicas than partitions
+            "excludePersistentLag": "false",
+        }}
+
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
@@ -225,18 +246,6 @@ def keda_scaled_object(model: str, bootstrap: str, policy: ScalePolicy, *, deplo
                               "policies": [{"type": "Percent", "value": 100,
                                             "periodSeconds": int(policy.down_cooldown_s)}]},
             }}},
-            "triggers": [{
-                "type": "kafka",
-                "metadata": {
-                    # No topic: every topic the group consumes (the model's p0, p1 and p2 topics).
-                    "bootstrapServers": bootstrap,
-                    "consumerGroup": consumer_group(model),
-                    "lagThreshold": str(threshold),
-                    "activationLagThreshold": "0",
-                    "offsetResetPolicy": "earliest",
-                    "allowIdleConsumers": "false",  # never more replicas than partitions
-                    "excludePersistentLag": "false",
-                },
-            }],
+            "triggers": [trigger(p, background if p.background else threshold) for p in Priority],
         },
     }

@@ -24,7 +24,9 @@ group join), which ``kinfer bench autoscale`` measures as ``scale_up_s``.
 
 Background work (p3) is served from capacity the load above leaves idle: it adds nothing to the
 load, so it never scales a model up, but a model with background records waiting keeps (or is
-activated to) one replica: it scales to zero only when both queues are empty.
+activated to) one replica: it scales to zero only when both queues are empty. Told to finish it
+within ``background_within_s`` (a completion window to keep), the background records count as a
+backlog to drain within that long, beside the arrivals.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class ScalePolicy:
     down_window_s: float = 60.0  # scale down only to the highest recommendation over this window
     smoothing_s: float = 5.0  # time constant of the arrival rate's smoothing as it falls (it rises at once)
     replica_rps: float = 0.0  # what one replica drains while busy, when known beforehand (0: measured)
+    background_within_s: float = 0.0  # drain background records within this long (0: never scale up for them)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -75,8 +78,8 @@ class ScalePolicy:
             raise ValueError(f"target_utilisation must be within (0, 1], got {self.target_utilisation}")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be within [0, 1), got {self.tolerance}")
-        if self.drain_s <= 0 or self.smoothing_s < 0 or self.replica_rps < 0:
-            raise ValueError("drain_s must be > 0, smoothing_s and replica_rps >= 0")
+        if self.drain_s <= 0 or self.smoothing_s < 0 or self.replica_rps < 0 or self.background_within_s < 0:
+            raise ValueError("drain_s must be > 0, smoothing_s, replica_rps and background_within_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +92,7 @@ class Observation:
     partitions: int  # partitions of each of the model's request topics (a member beyond them idles)
     capacity_rps: float = 0.0  # records/s the serving replicas drain while busy, all together (0: unknown)
     serving: int = 0  # replicas the capacity was measured on (0: ``replicas``)
-    background: int = 0  # records waiting in the background topic: keep one replica, add none for them
+    background: int = 0  # records waiting in the background topic: keep one replica (more only when told)
 
 
 class Reason(enum.StrEnum):
@@ -180,6 +183,8 @@ class Autoscaler:
         wait_ms = (1000.0 * obs.queued / (max(obs.replicas, 1) * per) if per > 0
                    else math.inf if obs.queued > 0 else 0.0)
         backlog_rps = obs.queued / p.drain_s if wait_ms > p.max_wait_ms else 0.0
+        if p.background_within_s > 0:  # told to keep a completion window: its records are a backlog too
+            backlog_rps += obs.background / p.background_within_s
         load = self.arrival_rps + backlog_rps
         busy = obs.lag > 0 or self.arrival_rps >= IDLE_RPS or obs.background > 0
 

@@ -101,9 +101,16 @@ def test_keda_object_sizes_lag_per_replica_from_capacity_and_the_wait_budget() -
     trigger = obj["spec"]["triggers"][0]
     assert trigger["type"] == "kafka"
     assert trigger["metadata"]["consumerGroup"] == "kinfer.worker.emb"  # the workers' group
-    assert "topic" not in trigger["metadata"]  # every topic of the group: p0, p1 and p2
+    assert trigger["metadata"]["topic"] == "infer.emb.p0"
     assert trigger["metadata"]["lagThreshold"] == "14"  # 200/s x 0.7 x 100 ms
     assert trigger["metadata"]["allowIdleConsumers"] == "false"  # never more replicas than partitions
+    # One trigger a topic (the HPA takes the largest): background lag keeps one replica and adds none,
+    # unless told to drain it within a window (200/s x 0.7 x 600 s a replica).
+    topics = {t["metadata"]["topic"]: t["metadata"]["lagThreshold"] for t in obj["spec"]["triggers"]}
+    assert topics == {"infer.emb.p0": "14", "infer.emb.p1": "14", "infer.emb.p2": "14", "infer.emb.p3": "2147483647"}
+    told = keda_scaled_object("emb", "kafka:9092", ScalePolicy(replica_rps=200.0, background_within_s=600.0),
+                              deployment="d", namespace="ml")
+    assert told["spec"]["triggers"][-1]["metadata"]["lagThreshold"] == "84000"
     down = obj["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
     assert down["stabilizationWindowSeconds"] == 120
     with pytest.raises(ValueError, match="--replica-rps"):

@@ -145,3 +145,16 @@ def test_unknown_capacity_keeps_what_runs_and_activates() -> None:
 def test_replicas_beyond_the_partitions_are_scaled_down_at_once() -> None:
     rec = Autoscaler(ScalePolicy(max_replicas=8)).observe(Observation(0.0, 500.0, 0.0, 0, 5, 3, capacity_rps=500.0))
     assert rec.replicas == 3 and rec.reason is Reason.DOWN
+
+
+def test_background_records_keep_one_replica_and_add_none_unless_told_to_keep_a_window() -> None:
+    waiting = Observation(0.0, 0.0, 0.0, 0, 0, 8, background=50_000)
+    rec = Autoscaler(ScalePolicy(min_replicas=0, replica_rps=PER)).observe(waiting)
+    assert (rec.replicas, rec.reason) == (1, Reason.ACTIVATE)  # activated for it, and no more
+    busy = Observation(0.0, 0.0, 0.0, 0, 1, 8, capacity_rps=PER, background=50_000)
+    assert Autoscaler(ScalePolicy(replica_rps=PER)).observe(busy).replicas == 1
+    # Told to drain it within 200 s: 250 records/s at 70 % of 100/s a replica is four replicas.
+    told = Autoscaler(ScalePolicy(replica_rps=PER, background_within_s=200.0)).observe(busy)
+    assert (told.replicas, told.reason) == (4, Reason.UP)
+    empty = Autoscaler(ScalePolicy(min_replicas=0, replica_rps=PER, down_window_s=0.0, down_cooldown_s=0.0))
+    assert empty.observe(Observation(0.0, 0.0, 0.0, 0, 1, 8)).replicas == 0  # both queues empty: to zero
