@@ -262,7 +262,6 @@ class Membership:
             now, wall = time.monotonic(), now_ms()
             for tp, records in data.items():
                 self._take(feed, consumer, tp, records, now, wall)
-            self._flow_control(feed, consumer)  # before the fetcher asks for more of what is now full
             self.observer.buffered(feed.name, feed.core.buffered())
             self.signals.wake.set()
 
@@ -348,9 +347,10 @@ class Membership:
             self.signals.wake.set()
 
     def ran(self, feed: Feed) -> None:
-        """Work of ``feed`` ended: what it held may have drained below a mark, resume at once (the
-        fetch loop may be waiting out its poll)."""
-        if feed.consumer is not None and feed.fetching is not None and not feed.fetching.done():
+        """Work of ``feed`` ended: a priority held back may have drained below its mark, resume it at
+        once (the fetch loop may be waiting out its poll). Work ending only drains, so with nothing held
+        there is nothing to do."""
+        if feed.held and feed.consumer is not None and feed.fetching is not None and not feed.fetching.done():
             self._flow_control(feed, feed.consumer)
 
     def _flow_control(self, feed: Feed, consumer: AIOKafkaConsumer) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kinfer.batcher import BatchPolicy
 from kinfer.consumers.feed import Feed, Signals
@@ -51,7 +53,7 @@ class StandInConsumer:
         self.seeks.append((tp, offset))
 
 
-def setup() -> tuple[Membership, Feed, StandInConsumer]:
+def setup(spawned: list[Any] | None = None) -> tuple[Membership, Feed, StandInConsumer]:
     core, _, observer = batch_core(BatchPolicy(max_batch_size=2))
     assert core.background_room() == ROOM
     feed = Feed(core)
@@ -61,7 +63,9 @@ def setup() -> tuple[Membership, Feed, StandInConsumer]:
 
     def spawn(coro: Any) -> Any:
         coro.close()
-        raise AssertionError("nothing is spawned here")
+        if spawned is None:
+            raise AssertionError("nothing is spawned here")
+        spawned.append(coro)  # a refusal (dead letter and reply), not run here
 
     async def commit(feed: Feed, handover: bool) -> None: ...
 
@@ -102,11 +106,24 @@ def test_a_draining_model_fetches_no_background_work() -> None:
     assert feed.lifecycle.draining and P3 in flow(membership, feed, consumer)
 
 
-def record(offset: int) -> ConsumerRecord[bytes, bytes]:
+def valid(offset: int) -> bytes:
     created = now_ms()
-    value = pack(Request(id=f"r{offset}", model="m", priority=Priority.P3, tenant="t", created_ms=created,
-                         deadline_ms=created + 3_600_000, inputs=("x",), reply=ReplyRoute.channel("kinfer:reply:t:c")))
-    return ConsumerRecord(P3.topic, P3.partition, offset, created, 0, None, value, None, 0, len(value), ())
+    return pack(Request(id=f"r{offset}", model="m", priority=Priority.P3, tenant="t", created_ms=created,
+                        deadline_ms=created + 3_600_000, inputs=("x",), reply=ReplyRoute.channel("kinfer:reply:t:c")))
+
+
+def record(offset: int, value: bytes | None = None) -> ConsumerRecord[bytes, bytes]:
+    value = valid(offset) if value is None else value
+    return ConsumerRecord(P3.topic, P3.partition, offset, now_ms(), 0, None, value, None, 0, len(value), ())
+
+
+HOSTILE = st.one_of(
+    st.binary(max_size=256),  # anything at all
+    st.integers(1, 200_000).map(lambda depth: b"\x91" * depth + b"\xc0"),  # nesting past any recursion limit
+    st.sampled_from([b"\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00",  # NaN, inf: a float where a map belongs
+                     b"\xcb\x7f\xf0\x00\x00\x00\x00\x00\x00", b"\xdd\xff\xff\xff\xff",  # an array of 4e9
+                     b"\xdb\xff\xff\xff\xff" + b"x" * 16]),  # a string claiming 4 GiB
+)
 
 
 def test_background_records_beyond_the_room_stay_on_the_broker() -> None:
@@ -123,6 +140,23 @@ def test_taking_no_background_record_when_the_room_is_full() -> None:
     background(feed, ROOM)
     membership._take(feed, consumer, P3, [record(7)], T0, now_ms())  # type: ignore[arg-type]
     assert consumer.seeks == [(P3, 7)] and feed.core.background_buffered() == ROOM
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values=st.lists(st.one_of(st.none(), HOSTILE), min_size=1, max_size=30), held=st.integers(0, ROOM))
+def test_any_background_records_are_each_taken_refused_or_left_on_the_broker(
+    values: list[bytes | None], held: int
+) -> None:
+    spawned: list[Any] = []
+    membership, feed, consumer = setup(spawned)
+    background(feed, held, first=1_000)
+    records = [record(i, v) for i, v in enumerate(values)]  # None: a valid request
+    membership._take(feed, consumer, P3, records, T0, now_ms())  # type: ignore[arg-type]
+    assert feed.core.background_buffered() <= ROOM  # never beyond the room, whatever came
+    taken = feed.tracker.in_flight()  # admitted or refused: each waits for its commit
+    assert feed.core.background_buffered() - held + len(spawned) == taken
+    # The rest, from the first record not taken, stays on the broker.
+    assert consumer.seeks == ([] if taken == len(records) else [(P3, taken)])
 
 
 @pytest.fixture(autouse=True)
