@@ -254,9 +254,9 @@ class Client:
 
     @property
     def hedges(self) -> dict[str, float]:
-        """Requests sent, hedges sent, refused for want of budget, and not sent because every other partition
-        had stopped answering too (a stall of the whole topic: a broker everyone waits on), and hedges per
-        request sent."""
+        """Requests sent, hedges sent, refused for want of budget, requests whose hedge was put off because
+        every other partition was suspect too (a stall of the whole topic: a broker everyone waits on; or
+        one slow batch of the only live one), and hedges per request sent."""
         h = self._hedger
         return {"sent": h.sent, "hedged": h.budget.spent, "unpaid": h.budget.refused, "nowhere": h.nowhere,
                 "fraction": h.fraction}
@@ -509,6 +509,7 @@ class Client:
         delay = hedger.delay_s(request.model) if hedgeable else None
         copies = [(first, sent_at)]  # where each copy went, and when
         hedge_at = None if delay is None else sent_at + delay
+        wait, put_off = delay or 0.0, False  # put off: a hedge was due with nowhere better to go
         accepted = False
         refusals: list[BaseException] = []
         try:
@@ -524,8 +525,13 @@ class Client:
                         refusals.append(error)
                 if not done:  # unanswered at the hedge delay: its last copy's partition is suspect
                     assert delay is not None and partitions
-                    hedge_at = self._hedge(topic, data, request, headers, partitions, copies, sends)
-                    hedge_at = None if hedge_at is None else hedge_at + delay
+                    n = len(copies)
+                    looked = self._hedge(topic, data, request, headers, partitions, copies, sends, put_off)
+                    if looked is not None and len(copies) == n:  # nowhere to go yet: look again, less often
+                        put_off, wait = True, wait * 2
+                    else:
+                        wait = delay
+                    hedge_at = None if looked is None else looked + wait
                 if refusals and not sends and not accepted and not waiter.done():
                     raise refusals[0]  # no copy reached the broker: its refusal is the answer
             try:
@@ -549,10 +555,12 @@ class Client:
 
     def _hedge(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
                partitions: list[int], copies: list[tuple[int | None, float]],
-               sends: set[asyncio.Task[None]]) -> float | None:
+               sends: set[asyncio.Task[None]], put_off: bool) -> float | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
-        one more copy where it can help and the budget pays. Returns when that copy was sent (None:
-        no more hedging for this request)."""
+        one more copy where it can help and the budget pays. Returns when that copy was sent, or now
+        when every other partition is suspect too: the caller looks again later, each time twice as long
+        after (a partition that was only slow, a busy box's long batch, answers meanwhile and is trusted
+        again; a whole topic that waits costs a few wake-ups a request). None: no more hedging for it."""
         hedger, now = self._hedger, time.monotonic()
         last, last_at = copies[-1]
         assert last is not None
@@ -561,8 +569,9 @@ class Client:
             return None
         target = hedger.board.pick(topic, partitions, now, avoid=[p for p, _ in copies if p is not None])
         if hedger.board.suspect(topic, target) or any(p == target for p, _ in copies):
-            hedger.nowhere += 1  # every other partition has stopped too: a copy would wait as well
-            return None
+            # Every other partition has stopped too (a copy would wait as well), or seems to for now.
+            hedger.nowhere += not put_off  # once a request
+            return now
         if not hedger.budget.spend():
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None

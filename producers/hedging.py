@@ -13,7 +13,9 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
   already). Hedges are paid from a ``HedgeBudget`` that earns a fraction of a hedge for every
   request sent, so the extra work stays bounded (2 % by default). No hedge goes to a suspect
   partition: when every other one has stopped too (the whole topic waits on a broker), a hedge would
-  only wait as well, and the budget is kept for when it can help.
+  only wait as well, and the budget is kept for when it can help. The request looks again later,
+  each time twice as long after: a partition suspected for one slow batch is trusted again at its
+  next answer, and the hedge goes there then.
 - **Avoidance** (``PartitionBoard``): a partition whose request had to be hedged, and that has
   answered nothing since that request was sent, is *suspect*: new requests go to the others. A
   suspect partition gets one probe request every ``probe_s``; an answer it gives clears it.
@@ -139,14 +141,15 @@ class PartitionBoard:
 
     def pick(self, topic: str, partitions: Sequence[int], now: float, avoid: Iterable[int] = ()) -> int:
         """The partition for the next request (round robin over the trusted ones), or for a hedge (not one
-        of ``avoid``). A suspect partition is offered once every ``probe_s``; with every one suspect, any."""
+        of ``avoid``). A suspect partition is offered once every ``probe_s``; with every one suspect, the
+        one that answered last (the likeliest to have been only slow)."""
         if not partitions:
             raise ValueError("no partitions to pick from")
         skip = set(avoid)
         turn = self._turn.get(topic, 0)
         self._turn[topic] = turn + 1
         n = len(partitions)
-        fallback = None
+        fallback: tuple[float, int] | None = None  # (last answer, partition) of the freshest suspect
         for i in range(n):
             p = partitions[(turn + i) % n]
             if p in skip:
@@ -157,9 +160,10 @@ class PartitionBoard:
             if now - part.probed >= self.probe_s:
                 part.probed = now
                 return p
-            fallback = p if fallback is None else fallback
+            if fallback is None or part.last_answer > fallback[0]:
+                fallback = (part.last_answer, p)
         if fallback is not None:
-            return fallback
+            return fallback[1]
         return partitions[turn % n]
 
     def answered(self, topic: str, partition: int, now: float) -> None:
@@ -186,7 +190,7 @@ class Hedger:
         self.board = PartitionBoard(policy.probe_s)
         self._latency: dict[str, LatencyWindow] = {}
         self.sent = 0  # requests sent (first copies)
-        self.nowhere = 0  # hedges not sent: every other partition was suspect too
+        self.nowhere = 0  # requests whose hedge was put off: every other partition was suspect too
 
     def sent_one(self) -> None:
         self.sent += 1

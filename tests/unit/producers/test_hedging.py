@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kinfer.producers import Client
 from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
+from kinfer.topics import Priority, Request, Result, Status
+from kinfer.topics.envelope import ReplyRoute
 
 T = "infer.m.p1"
 
@@ -114,6 +119,56 @@ def test_a_hedge_goes_elsewhere_and_all_suspect_still_picks_one() -> None:
         assert board.pick(T, [0, 1, 2], 0.2, avoid=(2,)) in (0, 1, 2)
     with pytest.raises(ValueError):
         board.pick(T, [], 0.0)
+
+
+def test_with_every_partition_suspect_new_requests_go_to_the_one_that_answered_last() -> None:
+    board = PartitionBoard(probe_s=10.0)
+    for p, answered in ((0, 1.0), (1, 5.0), (2, 3.0)):  # 1 was only slow for a batch; 0 and 2 stopped
+        board.answered(T, p, answered)
+        board.hedged(T, p, sent=answered + 0.1, now=5.5)
+    assert [board.pick(T, [0, 1, 2], 5.6) for _ in range(6)] == [1] * 6
+    assert board.pick(T, [0, 1, 2], 5.6, avoid=(1,)) == 2
+
+
+async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
+    """Two partitions stopped, the third suspected for one slow batch: a request waiting on a stopped
+    one is hedged to the third once it answers again, not left to its deadline."""
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(min_samples=1))
+    hedger = client._hedger
+    hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
+    for p in (0, 1, 2):
+        hedger.board.answered(T, p, 0.0)
+        hedger.board.hedged(T, p, sent=0.1, now=0.2)  # all three suspect, every probe due
+    published: asyncio.Queue[int | None] = asyncio.Queue()
+
+    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+        published.put_nowait(partition)
+
+    client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
+    client._publish = publish  # type: ignore[method-assign]
+    looked, hedge = asyncio.Event(), client._hedge
+
+    def hedge_and_tell(*args: Any) -> float | None:
+        at = hedge(*args)
+        looked.set()
+        return at
+
+    client._hedge = hedge_and_tell  # type: ignore[method-assign]
+    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=2,
+                      inputs=("x",), reply=ReplyRoute(redis="c"))
+    waiter: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+    exchange = asyncio.create_task(client._exchange(T, b"", request, None, waiter))
+    first = await asyncio.wait_for(published.get(), 10)  # a probe of a suspect partition
+    await asyncio.wait_for(looked.wait(), 10)  # its hedge came due: the others are suspect too
+    assert hedger.nowhere == 1 and published.empty()
+    live = next(p for p in (0, 1, 2) if p != first)
+    hedger.board.answered(T, live, 1.0)  # another request's answer: that partition only was slow
+    assert await asyncio.wait_for(published.get(), 10) == live  # the put-off hedge goes there
+    waiter.set_result(Result("r1", "m", Status.OK))
+    assert (await exchange).ok
+    assert (hedger.nowhere, hedger.budget.spent) == (1, 1)
+    await client._producer.stop()
+    await client._redis.aclose()
 
 
 @given(st.lists(st.tuples(st.sampled_from(["pick", "hedge", "answer"]), st.integers(0, 5),
