@@ -567,9 +567,8 @@ class Client:
         hedger.board.hedged(topic, last, last_at, now)
         if len(copies) > hedger.policy.max_hedges:
             return None
-        target = hedger.board.pick(topic, partitions, now, avoid=[p for p, _ in copies if p is not None])
-        if hedger.board.suspect(topic, target) or any(p == target for p, _ in copies):
-            # Every other partition has stopped too (a copy would wait as well), or seems to for now.
+        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies if p is not None])
+        if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
             hedger.nowhere += not put_off  # once a request
             return now
         if not hedger.budget.spend():

@@ -141,15 +141,14 @@ class PartitionBoard:
 
     def pick(self, topic: str, partitions: Sequence[int], now: float, avoid: Iterable[int] = ()) -> int:
         """The partition for the next request (round robin over the trusted ones), or for a hedge (not one
-        of ``avoid``). A suspect partition is offered once every ``probe_s``; with every one suspect, the
-        one that answered last (the likeliest to have been only slow)."""
+        of ``avoid``). A suspect partition is offered once every ``probe_s``; with every one suspect, any."""
         if not partitions:
             raise ValueError("no partitions to pick from")
         skip = set(avoid)
         turn = self._turn.get(topic, 0)
         self._turn[topic] = turn + 1
         n = len(partitions)
-        fallback: tuple[float, int] | None = None  # (last answer, partition) of the freshest suspect
+        fallback = None
         for i in range(n):
             p = partitions[(turn + i) % n]
             if p in skip:
@@ -160,11 +159,22 @@ class PartitionBoard:
             if now - part.probed >= self.probe_s:
                 part.probed = now
                 return p
-            if fallback is None or part.last_answer > fallback[0]:
-                fallback = (part.last_answer, p)
+            fallback = p if fallback is None else fallback
         if fallback is not None:
-            return fallback[1]
+            return fallback
         return partitions[turn % n]
+
+    def trusted(self, topic: str, partitions: Sequence[int], avoid: Iterable[int] = ()) -> int | None:
+        """A partition for a hedge: round robin over the trusted ones not in ``avoid``; None when there is
+        none. Never a suspect one, and a suspect one's probe is left to a new request (a hedge looked for
+        and put off must not use it up: the probe is how a partition suspected wrongly is trusted again)."""
+        skip = set(avoid)
+        candidates = [p for p in partitions if p not in skip and not self.suspect(topic, p)]
+        if not candidates:
+            return None
+        turn = self._turn.get(topic, 0)
+        self._turn[topic] = turn + 1
+        return candidates[turn % len(candidates)]
 
     def answered(self, topic: str, partition: int, now: float) -> None:
         """An unhedged request on ``partition`` was answered: it works."""

@@ -121,13 +121,15 @@ def test_a_hedge_goes_elsewhere_and_all_suspect_still_picks_one() -> None:
         board.pick(T, [], 0.0)
 
 
-def test_with_every_partition_suspect_new_requests_go_to_the_one_that_answered_last() -> None:
-    board = PartitionBoard(probe_s=10.0)
-    for p, answered in ((0, 1.0), (1, 5.0), (2, 3.0)):  # 1 was only slow for a batch; 0 and 2 stopped
-        board.answered(T, p, answered)
-        board.hedged(T, p, sent=answered + 0.1, now=5.5)
-    assert [board.pick(T, [0, 1, 2], 5.6) for _ in range(6)] == [1] * 6
-    assert board.pick(T, [0, 1, 2], 5.6, avoid=(1,)) == 2
+def test_a_hedge_goes_only_to_a_trusted_partition_and_leaves_the_probes_to_new_requests() -> None:
+    board = PartitionBoard(probe_s=1.0)
+    for p in (0, 1):
+        board.hedged(T, p, sent=0.0, now=0.1)
+    assert {board.trusted(T, [0, 1, 2], avoid=(0,)) for _ in range(4)} == {2}
+    board.hedged(T, 2, sent=0.0, now=0.1)
+    for _ in range(10):  # every partition suspect, every probe due: hedges looked for and put off
+        assert board.trusted(T, [0, 1, 2], avoid=(0,)) is None
+    assert sorted(board.pick(T, [0, 1, 2], 1.2) for _ in range(3)) == [0, 1, 2]  # the probes are still there
 
 
 async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
