@@ -7,9 +7,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
 from kinfer.topics.batches import BATCHES_TOPIC, CHUNK_BYTES, FILES_TOPIC
@@ -126,6 +128,46 @@ async def delete_topics(bootstrap: str, names: list[str]) -> bool:
     except KafkaError as exc:
         log.warning("deleting %s failed: %s", ", ".join(names[:5]), exc)
         return False
+    finally:
+        await admin.close()
+
+
+_DYNAMIC_TOPIC_CONFIG = 1  # DescribeConfigs v1+: the config was set on the topic itself
+
+
+def _set_on_topic(entry: tuple[Any, ...]) -> bool:
+    """A DescribeConfigs entry (name, value, read only, v0: is default / v1+: source, ...) the topic was given."""
+    marker = entry[3]
+    return not marker if isinstance(marker, bool) else bool(marker == _DYNAMIC_TOPIC_CONFIG)
+
+
+async def set_topic_configs(bootstrap: str, wanted: dict[str, dict[str, str]]) -> list[str]:
+    """Give the existing ones of these topics these configs, keeping the others set on them (AlterConfigs
+    replaces a topic's whole set, so it is read first). A topic that does not exist yet is left alone: it
+    gets them when it is created. Returns the topics changed; [] (logged) when the cluster refuses."""
+    admin = AIOKafkaAdminClient(**kafka_options(bootstrap, request_timeout_ms=15_000))
+    try:
+        await admin.start()
+        names = sorted(set(wanted) & set(await admin.list_topics()))
+        if not names:
+            return []
+        changes = []
+        for response in await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, n) for n in names]):
+            for error, _message, _kind, name, entries in response.resources:
+                own = {e[0]: e[1] for e in entries if _set_on_topic(e)}
+                if error == 0 and name in wanted and any(own.get(k) != v for k, v in wanted[name].items()):
+                    changes.append(ConfigResource(ConfigResourceType.TOPIC, name, configs={**own, **wanted[name]}))
+        changed = []
+        for response in await admin.alter_configs(changes) if changes else []:
+            for error, message, _kind, name in response.resources:
+                if error:
+                    log.warning("configs of %s not changed: %s (error %d)", name, message, error)
+                else:
+                    changed.append(name)
+        return changed
+    except KafkaError as exc:
+        log.warning("topic configs not changed: %s", exc)
+        return []
     finally:
         await admin.close()
 

@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 
 from kinfer.batcher import Reason
 from kinfer.topics import now_ms
-from kinfer.topics.admin import cluster_replication
+from kinfer.topics.admin import cluster_replication, set_topic_configs
 from kinfer.topics.connect import KafkaAuth
 from kinfer.topics.readers import read, refused
 from kinfer.topics.record import MAX_COUNT, MAX_DURATION_MS, MAX_RATE_RPS
@@ -60,6 +60,11 @@ READER = "telemetry"
 MAX_MODELS = 1_024  # models the processor keeps tables (and metric labels) for
 MAX_WORKERS = 4_096  # (model, worker) pairs it keeps the latest batch time of
 MODEL_FORGET_S = 3_600.0  # a model without a record this long is forgotten (its running total too)
+# When a model or a worker was last seen is written at most this often: each write is a changelog record
+# a restarted processor reads back, and these tables are not windowed away (a second is far finer than
+# their readers need: forgetting after an hour, counting the workers of the last two windows).
+TOUCH_MS = 1_000
+KEEP_WINDOWS = 6  # windows a windowed table keeps before faust expires them
 
 
 @dataclass
@@ -83,6 +88,11 @@ class Aggregator:
     forget_ms: int = int(MODEL_FORGET_S * 1000)
     forgotten: list[str] = field(default_factory=list)  # models forgotten, for the caller's metric labels
 
+    @property
+    def keep_ms(self) -> int:
+        """How long the windowed tables keep a window: six of them."""
+        return int(self.window_s * KEEP_WINDOWS * 1000)
+
     def add(self, value: object, now: int) -> bool:
         """Count one record of ``kinfer.stats``; False (and counted by reason) when it was skipped."""
         s = read(BatchStats, value, READER, now)
@@ -100,8 +110,12 @@ class Aggregator:
         return True
 
     def _count(self, s: BatchStats, now: int) -> None:
-        self.models[s.model] = now
+        if s.model not in self.models or now - self.models[s.model] >= TOUCH_MS:
+            self.models[s.model] = now
         RECORDS.labels(s.model).inc()
+        self.totals[s.model] += s.size
+        if s.at_ms < now - self.keep_ms:  # its windows are gone (a backlog read after a long stop): only the
+            return  # running total takes it, not six windowed writes that faust would expire at once
         n = max(1, s.batches)  # a record sums this many batches of one size bucket
         if s.size:
             self._seen(f"{s.model}|{s.worker}", s.at_ms)
@@ -117,11 +131,13 @@ class Aggregator:
         for reason, count in s.shed.items():
             if reason in SHED_REASONS:  # the batcher's reasons only: a table key per model and reason
                 self.shed[f"{s.model}|{reason}"] += count
-        self.totals[s.model] += s.size
 
     def _seen(self, key: str, at_ms: int) -> None:
-        if key not in self.seen and len(self.seen) >= self.max_workers:
-            since = at_ms - int(self.window_s * 6 * 1000)
+        known = key in self.seen  # (not ``get``: a faust table answers a missing key with its default)
+        if known and at_ms - self.seen[key] < TOUCH_MS:
+            return
+        if not known and len(self.seen) >= self.max_workers:
+            since = at_ms - self.keep_ms
             for old in [k for k, at in self.seen.items() if at < since]:
                 del self.seen[old]
             if len(self.seen) >= self.max_workers:
@@ -182,6 +198,26 @@ def summarize(
     )
 
 
+WINDOWED_TABLES = ("inputs", "requests", "batches", "steps", "service-n", "service-ms", "shed")
+LATEST_TABLES = ("totals", "workers", "models")  # a key's last value only
+
+
+def changelog(app_id: str, table: str) -> str:
+    """faust's name for a table's changelog topic."""
+    return f"{app_id}-{table}-changelog"
+
+
+def changelog_configs(app_id: str, window_s: float) -> dict[str, dict[str, str]]:
+    """Configs of the processor's changelog topics beyond what faust gives them.
+
+    Compaction and retention never touch a topic's open segment, which Kafka rolls after a week by
+    default: until then a restart reads back every write. The windowed tables' changelogs roll one as
+    often as their windows expire, the others one an hour."""
+    rolled = {"segment.ms": str(int(window_s * KEEP_WINDOWS * 1000))}
+    hourly = {"segment.ms": str(3_600_000)}
+    return {changelog(app_id, t): rolled if t in WINDOWED_TABLES else hourly for t in WINDOWED_TABLES + LATEST_TABLES}
+
+
 def _credentials(auth: KafkaAuth) -> Any:
     """This process's Kafka security settings (topics.connect) in faust's terms."""
     context = auth.options().get("ssl_context")
@@ -206,10 +242,15 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
         consumer_auto_offset_reset="latest",
     )
     source = app.topic(STATS_TOPIC, key_serializer="raw", value_serializer="raw")
-    keep = timedelta(seconds=window_s * 6)
+    keep = timedelta(seconds=window_s * KEEP_WINDOWS)
+    configs = changelog_configs(app_id, window_s)
 
     def windowed(name: str, default: type) -> Any:
-        return app.Table(name, default=default).tumbling(window_s, expires=keep)
+        table = app.Table(name, default=default, extra_topic_configs=configs[changelog(app_id, name)])
+        return table.tumbling(window_s, expires=keep)
+
+    def latest(name: str) -> Any:
+        return app.Table(name, default=int, extra_topic_configs=configs[changelog(app_id, name)])
 
     tables = Aggregator(
         window_s=window_s,
@@ -220,9 +261,9 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
         service_n=windowed("service-n", int),
         service_ms=windowed("service-ms", float),
         shed=windowed("shed", int),
-        totals=app.Table("totals", default=int),
-        seen=app.Table("workers", default=int),
-        models=app.Table("models", default=int),
+        totals=latest("totals"),
+        seen=latest("workers"),
+        models=latest("models"),
     )
     redis = aioredis.Redis.from_url(redis_url)
 
@@ -290,6 +331,12 @@ def run(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: fl
     # Asked on a thread of its own: asyncio.run on this one would leave it without the loop faust expects.
     with ThreadPoolExecutor(1) as pool:
         replication = pool.submit(asyncio.run, cluster_replication(bootstrap)).result()
+        # Changelogs made before their configs were: given them now, so the next restart reads back less.
+        pool.submit(asyncio.run, set_topic_configs(bootstrap, changelog_configs(app_id, window_s))).result()
     app = build_app(bootstrap, redis_url, window_s=window_s, publish_s=publish_s, app_id=app_id,
                     replication=replication)
-    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+    # No terminal spinner: to turn it on every log call, faust sets the root logger to DEBUG, and every
+    # debug line of faust and aiokafka (several a record) then builds a log record nobody prints.
+    worker.spinner = None
+    worker.execute_from_commandline()

@@ -14,12 +14,16 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from prometheus_client.parser import text_string_to_metric_families
 
+from kinfer.ops.control.telemetry import changelog, changelog_configs
 from kinfer.ops.localstack.procs import spawn
 from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.topics import now_ms
+from kinfer.topics.admin import TopicSpec, delete_topics, ensure_topics, set_topic_configs
 from kinfer.topics.stats import STATS_TOPIC, BatchStats, ModelStats, stats_key
 from tests.integration.conftest import WorkerProcess
 
@@ -101,6 +105,35 @@ async def publish(stack: StackInfo, records: list[BatchStats]) -> None:
             await producer.send_and_wait(STATS_TOPIC, r.pack(), key=r.model.encode())
     finally:
         await producer.stop()
+
+
+async def test_changelogs_made_before_their_configs_are_given_them_and_keep_faust_s_own(stack: StackInfo) -> None:
+    app_id = f"kinfer-telemetry-old-{uuid.uuid4().hex[:6]}"
+    windowed, latest = changelog(app_id, "inputs"), changelog(app_id, "workers")
+    # As an older processor (or faust alone) made them: Kafka's week-long segments.
+    await ensure_topics(stack.bootstrap, [
+        TopicSpec(windowed, 1, configs={"cleanup.policy": "compact,delete", "retention.ms": "60000"}),
+        TopicSpec(latest, 1, configs={"cleanup.policy": "compact"})])
+    wanted = {name: configs for name, configs in changelog_configs(app_id, 10).items() if name in (windowed, latest)}
+    wanted[changelog(app_id, "never-made")] = {"segment.ms": "1000"}
+    try:
+        assert sorted(await set_topic_configs(stack.bootstrap, wanted)) == sorted([windowed, latest])
+        admin = AIOKafkaAdminClient(bootstrap_servers=stack.bootstrap)
+        await admin.start()
+        try:
+            described = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t)
+                                                      for t in (windowed, latest)])
+            configs = {r[3]: {e[0]: e[1] for e in r[4]} for response in described for r in response.resources}
+            assert (await admin.list_topics()).count(changelog(app_id, "never-made")) == 0
+        finally:
+            await admin.close()
+        assert {k: configs[windowed][k] for k in ("cleanup.policy", "retention.ms", "segment.ms")} == {
+            "cleanup.policy": "compact,delete", "retention.ms": "60000", "segment.ms": "60000"}
+        assert {k: configs[latest][k] for k in ("cleanup.policy", "segment.ms")} == {
+            "cleanup.policy": "compact", "segment.ms": "3600000"}
+        assert await set_topic_configs(stack.bootstrap, wanted) == []  # as wanted already: nothing to do
+    finally:
+        await delete_topics(stack.bootstrap, [windowed, latest])
 
 
 async def test_windowed_tables_survive_a_restart(stack: StackInfo, tmp_path: Path) -> None:

@@ -364,6 +364,37 @@ def test_the_telemetry_tables_hold_at_most_their_models_and_workers() -> None:
     assert "keep|late" in agg.seen and len(agg.seen) == 1
 
 
+class Writes(dict[str, int]):
+    """A table that counts its writes: each one is a changelog record in the processor."""
+
+    writes = 0
+
+    def __setitem__(self, key: str, value: int) -> None:
+        self.writes += 1
+        super().__setitem__(key, value)
+
+
+def test_when_a_model_or_worker_was_seen_is_written_at_most_once_a_second() -> None:
+    agg = tables()
+    agg.seen, agg.models = Writes(), Writes()
+    for i in range(100):  # two workers' batches, 50 a second, for two seconds
+        at = NOW + i * 20
+        assert agg.add(BatchStats("m", f"w{i % 2}", at, size=1).pack(), at)
+    assert agg.totals["m"] == 100 and agg.inputs["m"] == 100  # every batch counts
+    assert agg.models.writes == 2 and agg.seen.writes == 4  # the last-seen times: a write a second each
+    assert agg.models["m"] >= NOW + 1_000 and min(agg.seen.values()) >= NOW + 1_000
+
+
+def test_a_record_older_than_the_windows_kept_counts_in_the_running_total_only() -> None:
+    agg = tables()  # windows of 10 s, six kept
+    assert agg.add(BatchStats("m", "w1", NOW - 61_000, size=4, requests=4, compute_ms=9.0, shed={"codel": 2}).pack(),
+                   NOW)  # read after a long stop: its windows are gone
+    assert agg.totals == {"m": 4} and "m" in agg.models
+    assert not agg.inputs and not agg.service_ms and not agg.shed and not agg.seen
+    assert agg.add(BatchStats("m", "w1", NOW - 59_000, size=4, requests=4, compute_ms=9.0).pack(), NOW)
+    assert agg.totals == {"m": 8} and agg.inputs == {"m": 4} and agg.seen == {"m|w1": NOW - 59_000}
+
+
 def test_publishing_counts_workers_per_model_in_one_pass() -> None:
     seen = [("a|w1", 100), ("a|w2", 50), ("b|w1", 100), ("b|w3", 99)]
     assert workers_by_model(seen, since_ms=99) == {"a": 1, "b": 2}
