@@ -509,7 +509,7 @@ class Client:
         delay = hedger.delay_s(request.model) if hedgeable else None
         copies = [(first, sent_at)]  # where each copy went, and when
         hedge_at = None if delay is None else sent_at + delay
-        wait, put_off = delay or 0.0, False  # put off: a hedge was due with nowhere better to go
+        wait, put_off = delay, False  # put off: a hedge was due with nowhere better to go
         accepted = False
         refusals: list[BaseException] = []
         try:
@@ -524,14 +524,14 @@ class Client:
                     else:
                         refusals.append(error)
                 if not done:  # unanswered at the hedge delay: its last copy's partition is suspect
-                    assert delay is not None and partitions
-                    n = len(copies)
-                    looked = self._hedge(topic, data, request, headers, partitions, copies, sends, put_off)
-                    if looked is not None and len(copies) == n:  # nowhere to go yet: look again, less often
+                    assert delay is not None and wait is not None and partitions
+                    sent = self._hedge(topic, data, request, headers, partitions, copies, sends)
+                    if sent is False:  # nowhere to go yet: look again, less often
+                        hedger.nowhere += not put_off  # once a request
                         put_off, wait = True, wait * 2
                     else:
                         wait = delay
-                    hedge_at = None if looked is None else looked + wait
+                    hedge_at = None if sent is None else time.monotonic() + wait
                 if refusals and not sends and not accepted and not waiter.done():
                     raise refusals[0]  # no copy reached the broker: its refusal is the answer
             try:
@@ -555,12 +555,12 @@ class Client:
 
     def _hedge(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
                partitions: list[int], copies: list[tuple[int | None, float]],
-               sends: set[asyncio.Task[None]], put_off: bool) -> float | None:
+               sends: set[asyncio.Task[None]]) -> bool | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
-        one more copy where it can help and the budget pays. Returns when that copy was sent, or now
-        when every other partition is suspect too: the caller looks again later, each time twice as long
-        after (a partition that was only slow, a busy box's long batch, answers meanwhile and is trusted
-        again; a whole topic that waits costs a few wake-ups a request). None: no more hedging for it."""
+        one more copy where it can help and the budget pays. True: a copy was sent; False: every other
+        partition is suspect too, and the caller looks again later, each time twice as long after (a
+        partition that was only slow, a busy box's long batch, answers meanwhile and is trusted again; a
+        whole topic that waits costs a few wake-ups a request); None: no more hedging for it."""
         hedger, now = self._hedger, time.monotonic()
         last, last_at = copies[-1]
         assert last is not None
@@ -569,15 +569,14 @@ class Client:
             return None
         target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies if p is not None])
         if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
-            hedger.nowhere += not put_off  # once a request
-            return now
+            return False
         if not hedger.budget.spend():
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None
         metrics.HEDGES.labels(request.model).inc()
         sends.add(self._spawn_send(topic, data, request, headers, target))
         copies.append((target, now))
-        return now
+        return True
 
     def _spawn_send(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
                     partition: int | None) -> asyncio.Task[None]:

@@ -67,6 +67,11 @@ TOUCH_MS = 1_000
 KEEP_WINDOWS = 6  # windows a windowed table keeps before faust expires them
 
 
+def kept_ms(window_s: float) -> int:
+    """How long the windowed tables keep a window."""
+    return int(window_s * KEEP_WINDOWS * 1000)
+
+
 @dataclass
 class Aggregator:
     """The agent's work on one record, over the processor's tables (faust tables in the app; any
@@ -90,8 +95,7 @@ class Aggregator:
 
     @property
     def keep_ms(self) -> int:
-        """How long the windowed tables keep a window: six of them."""
-        return int(self.window_s * KEEP_WINDOWS * 1000)
+        return kept_ms(self.window_s)
 
     def add(self, value: object, now: int) -> bool:
         """Count one record of ``kinfer.stats``; False (and counted by reason) when it was skipped."""
@@ -213,7 +217,7 @@ def changelog_configs(app_id: str, window_s: float) -> dict[str, dict[str, str]]
     Compaction and retention never touch a topic's open segment, which Kafka rolls after a week by
     default: until then a restart reads back every write. The windowed tables' changelogs roll one as
     often as their windows expire, the others one an hour."""
-    rolled = {"segment.ms": str(int(window_s * KEEP_WINDOWS * 1000))}
+    rolled = {"segment.ms": str(kept_ms(window_s))}
     hourly = {"segment.ms": str(3_600_000)}
     return {changelog(app_id, t): rolled if t in WINDOWED_TABLES else hourly for t in WINDOWED_TABLES + LATEST_TABLES}
 
@@ -242,7 +246,7 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
         consumer_auto_offset_reset="latest",
     )
     source = app.topic(STATS_TOPIC, key_serializer="raw", value_serializer="raw")
-    keep = timedelta(seconds=window_s * KEEP_WINDOWS)
+    keep = timedelta(milliseconds=kept_ms(window_s))
     configs = changelog_configs(app_id, window_s)
 
     def windowed(name: str, default: type) -> Any:

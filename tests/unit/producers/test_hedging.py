@@ -150,10 +150,10 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
     client._publish = publish  # type: ignore[method-assign]
     looked, hedge = asyncio.Event(), client._hedge
 
-    def hedge_and_tell(*args: Any) -> float | None:
-        at = hedge(*args)
+    def hedge_and_tell(*args: Any) -> bool | None:
+        sent = hedge(*args)
         looked.set()
-        return at
+        return sent
 
     client._hedge = hedge_and_tell  # type: ignore[method-assign]
     request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=2,
