@@ -1,27 +1,32 @@
 # One image for every kinfer role (worker, gateway, lag monitor, telemetry, autoscaler, topics);
 # the command picks the role. The default is the gateway. Two variants from this one file:
 #
-#   docker build -t kinfer .                                   # CPU: torch's CPU wheels
-#   docker build --build-arg TORCH=cu124 -t kinfer:cuda .      # CUDA 12.4 (NVIDIA driver on the host)
+#   docker build -t kinfer .                                   # CPU: torch's CPU build
+#   docker build --build-arg TORCH=cuda -t kinfer:cuda .       # torch as PyPI ships it: CUDA 13 (NVIDIA driver on the host)
 #
-# Three stages: the dependencies into a virtual environment (cached until pyproject.toml changes),
-# kinfer into it, and a runtime holding that environment and nothing that built it.
+# Three stages: the dependencies into a virtual environment (cached until pyproject.toml or uv.lock
+# changes), kinfer into it, and a runtime holding that environment and nothing that built it.
 ARG PYTHON=3.11
 
 FROM python:${PYTHON}-slim AS deps
-# cpu, or a CUDA build of torch's wheel index (cu121, cu124, ...).
+# cpu (torch's CPU build), or cuda (the locked torch as PyPI has it, with its CUDA libraries).
 ARG TORCH=cpu
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/kinfer/bin:$PATH
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/kinfer/bin:$PATH \
+    UV_PROJECT_ENVIRONMENT=/opt/kinfer UV_PYTHON_DOWNLOADS=never UV_NO_CACHE=1 UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1
 WORKDIR /src
-RUN python -m venv /opt/kinfer
 # The dependencies alone first (torch and friends: most of the image), so that a change to kinfer's
-# code rebuilds only the small stages below. torch comes from the variant's index; the rest from PyPI
-# (pip keeps the torch already there when it satisfies pyproject's bound).
-COPY pyproject.toml ./
-RUN pip install torch --index-url "https://download.pytorch.org/whl/${TORCH}" \
-    && python -c "import subprocess, sys, tomllib; \
-deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
-subprocess.check_call([sys.executable, '-m', 'pip', 'install', *deps])"
+# code rebuilds only the small stages below: exactly the versions and hashes uv.lock names, by uv at
+# the version the lock names. The CPU variant leaves out torch's CUDA build (torch, triton, the
+# cuda-* and nvidia-* libraries) and takes torch's CPU build of the locked version from torch's index.
+COPY pyproject.toml uv.lock ./
+RUN locked() { sed -n "/^name = \"$1\"\$/{n;s/^version = \"\(.*\)\"\$/\1/p;}" uv.lock; } \
+    && pip install "uv==$(locked uv)" && uv venv /opt/kinfer \
+    && if [ "$TORCH" = cpu ]; then \
+         uv sync --frozen --no-install-project \
+             $(sed -n 's/^name = "\(torch\|triton\|nvidia-.*\|cuda-.*\)"$/--no-install-package \1/p' uv.lock) \
+         && uv pip install --python /opt/kinfer/bin/python --no-deps \
+             --index-url https://download.pytorch.org/whl/cpu "torch==$(locked torch)"; \
+       else uv sync --frozen --no-install-project; fi
 
 FROM deps AS build
 COPY README.md LICENSE ./
@@ -32,7 +37,7 @@ COPY producers producers
 COPY consumers consumers
 COPY batcher batcher
 COPY ops ops
-RUN pip install --no-deps .
+RUN uv pip install --python /opt/kinfer/bin/python --no-deps .
 
 FROM python:${PYTHON}-slim AS runtime
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PATH=/opt/kinfer/bin:$PATH \

@@ -1,9 +1,11 @@
 # The two commands: `make demo` (the whole pipeline, end to end) and `make test` (every test).
-# Each one installs what it needs first, idempotently: the virtual environment and Python
-# packages, Debian's redis-server, Kafka's jars from Maven Central, Debian's Prometheus
-# (unpacked, not installed: promtool tests the alert rules) and Helm (built by Go from the module
-# proxy: the chart's tests render it). `make check` is the edit loop: the unit tests without the
-# model tests, on every core.
+# Each one installs what it needs first, idempotently: the virtual environment with exactly the
+# Python packages uv.lock names (every version and hash, runtime and dev), Debian's redis-server,
+# Kafka's jars from Maven Central, Debian's Prometheus (unpacked, not installed: promtool tests the
+# alert rules) and Helm (built by Go from the module proxy: the chart's tests render it). `make check`
+# is the edit loop: the unit tests without the model tests, on every core. `make lock` is the one
+# way to upgrade: it resolves the newest versions pyproject.toml allows into uv.lock, then runs the
+# tests on them.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -16,13 +18,28 @@ export HF_HUB_OFFLINE := 1
 export KINFER_CACHE ?= $(CURDIR)/.cache
 HELM_VERSION := v4.3.2
 
-.PHONY: deps demo test check lint typecheck unit stack-down clean
+.PHONY: deps lock demo test check lint typecheck unit stack-down clean
 
-$(VENV)/.kinfer-deps: pyproject.toml
+# uv installs the lock (and resolves it: `make lock`). It is bootstrapped into the environment at the
+# version the lock itself names, so the sync that follows keeps it.
+UV := $(VENV)/bin/uv
+UV_VERSION := $(shell sed -n '/^name = "uv"$$/{n;s/^version = "\(.*\)"$$/\1/p;}' uv.lock)
+export UV_PROJECT_ENVIRONMENT := $(VENV)
+export UV_PYTHON_DOWNLOADS := never
+
+$(UV):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet 'uv==$(UV_VERSION)'
+
+# Exactly what uv.lock names, nothing else (an exact sync removes what the lock does not hold);
+# --locked refuses a lock that no longer matches pyproject.toml: run `make lock`.
+$(VENV)/.kinfer-deps: pyproject.toml uv.lock | $(UV)
+	$(UV) sync --locked --extra dev --python $(PY) --quiet
 	@touch $@
+
+lock: | $(UV)
+	$(UV) lock --upgrade --python $(PY)
+	$(MAKE) test
 
 deps: $(VENV)/.kinfer-deps
 	@command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || \

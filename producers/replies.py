@@ -10,7 +10,6 @@ it is down, which the gateway's ``/readyz`` reports.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter, OrderedDict, deque
@@ -29,6 +28,7 @@ from kinfer.topics.auth import new_reply_key
 from kinfer.topics.backoff import Backoff
 from kinfer.topics.connect import kafka_options
 from kinfer.topics.envelope import ReplyRefused
+from kinfer.topics.readers import close_pubsub
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +175,7 @@ class ReplyMux:
     async def close(self) -> None:
         for task in self._tasks:
             await stop_task(task)
-        with contextlib.suppress(RedisError, OSError):
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        await close_pubsub(self._pubsub)
         if self._kafka is not None:
             await self._kafka.stop()
         self._fail_all(Unavailable("client closed"))
@@ -234,8 +233,7 @@ class ReplyMux:
     async def _resubscribe_later(self) -> None:
         """Drop the subscription (requests go by the topic meanwhile); the reader subscribes anew."""
         self.redis_healthy = False
-        with contextlib.suppress(RedisError, OSError):
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        await close_pubsub(self._pubsub)
         self._pubsub = self._redis.pubsub(ignore_subscribe_messages=False)
 
     async def _read_kafka(self, consumer: AIOKafkaConsumer) -> None:

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
+from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from kinfer.topics.backoff import Backoff
@@ -124,6 +125,13 @@ class Supervised:
             self._set_up(False)
 
 
+async def close_pubsub(pubsub: PubSub) -> None:
+    """Close a subscription whatever state its connection is in (Redis gone, half-subscribed)."""
+    with contextlib.suppress(RedisError, OSError):
+        # redis-py types ``aclose`` from 8.2 on; before that it is an untyped call.
+        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+
+
 async def subscribed(redis: aioredis.Redis, channel: str, until: asyncio.Event | None = None,
                      backoff: Backoff | None = None) -> AsyncIterator[bytes]:
     """Messages on ``channel`` until ``until`` is set (for ever without one); through Redis outages:
@@ -144,5 +152,4 @@ async def subscribed(redis: aioredis.Redis, channel: str, until: asyncio.Event |
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), backoff.next_delay())
         finally:
-            with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await close_pubsub(pubsub)
