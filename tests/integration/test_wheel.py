@@ -33,12 +33,14 @@ pytestmark = pytest.mark.integration
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel, built from the checkout and installed (no dependencies) into a folder of its own."""
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(out / "dist"), str(ROOT)], check=True, capture_output=True)
+    uv = [sys.executable, "-m", "uv"]  # the environment's own installer (it holds no pip: see uv.lock)
+    subprocess.run([*uv, "build", "--quiet", "--wheel", "--no-build-isolation", "--python", sys.executable,
+                    "--out-dir", str(out / "dist"), str(ROOT)], check=True, capture_output=True)
     wheel = next((out / "dist").glob("kinfer-*.whl"))
     target = out / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-                    str(wheel)], check=True, capture_output=True)
+    subprocess.run([*uv, "pip", "install", "--quiet", "--no-deps", "--python", sys.executable, "--target",
+                    str(target), str(wheel)], check=True, capture_output=True)
+    (target / ".lock").unlink(missing_ok=True)  # uv's own lock on the folder: not the wheel's
     return target
 
 
