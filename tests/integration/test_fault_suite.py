@@ -16,8 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SCENARIOS = (
     "worker_sigstop_past_session_timeout",
     "worker_sigstop_with_redis_restart",  # the only worker paused past its session timeout while Redis restarts
-    "broker_sigkill_and_restart",
-    "redis_sigkill_and_restart",
+    "broker_sigkill_and_restart",  # (Redis killed and restarted: in the scenario before)
     "records_at_the_size_limit",
 )
 
