@@ -13,7 +13,8 @@ import signal
 import redis.asyncio as aioredis
 
 from kinfer.ops.bench.harness import local_stack
-from kinfer.ops.bench.load import LoadReport, make_texts, open_loop
+from kinfer.ops.bench.load import LoadReport, open_loop
+from kinfer.ops.bench.texts import make_texts
 from kinfer.ops.control.status import render, snapshot
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import StackInfo

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
-import threading
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 from kinfer.consumers.runners.sampling import GenInput, TokenEvent
 
@@ -148,9 +146,27 @@ def estimate_tokens(text: str, max_length: int) -> int:
     return min(max_length, 2 + -(-len(text) // 4))
 
 
-def encode(tokenizer: Any, texts: list[str], max_length: int, device: str) -> Any:
-    """A padded, truncated batch of ``texts`` as tensors on ``device`` (encoder families)."""
-    return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+def choose_attention(device: str) -> None:
+    """Scaled-dot-product attention on a GPU runs flash or memory-efficient kernels, never cuDNN's: cuDNN
+    attention builds an execution plan on the CPU for every new input shape (94-174 ms each on an H200,
+    and a decoder's KV length is new at every step). Process-wide, as torch keeps the choice."""
+    torch = sys.modules.get("torch")
+    if torch is not None and device.startswith("cuda"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(True)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+        torch.backends.cuda.enable_math_sdp(True)  # the fallback where neither kernel takes a shape
+
+
+def to_device(arrays: dict[str, Any], device: str) -> dict[str, Any]:
+    """Host arrays as tensors on ``device``: on a GPU copied from pinned memory without waiting (the copy
+    queues ahead of the forward pass on the same stream)."""
+    import torch
+
+    tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    if device == "cpu":
+        return tensors
+    return {k: t.pin_memory().to(device, non_blocking=True) for k, t in tensors.items()}
 
 
 def default_threads(workers_per_host: int = 1) -> int:
@@ -192,25 +208,3 @@ def pick_device(requested: str = "auto") -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-T = TypeVar("T")
-
-
-class PerThread(Generic[T]):
-    """A copy of an object for each thread that uses it.
-
-    Hugging Face's fast tokenizers may not be called from two threads at once (each call sets padding
-    and truncation on the shared Rust object: "Already borrowed"); a worker with several executors
-    gives each executor thread its own copy.
-    """
-
-    def __init__(self, original: T) -> None:
-        self._original = original
-        self._local = threading.local()
-
-    def get(self) -> T:
-        mine: T | None = getattr(self._local, "copy", None)
-        if mine is None:
-            mine = self._local.copy = copy.deepcopy(self._original)
-        return mine

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from kinfer.consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
+from kinfer.consumers.runners.base import TorchResidency, choose_attention, drop_weights, estimate_tokens, to_device
+from kinfer.consumers.runners.tokenize import BatchTokenizer
 
 
 class ClassifierRunner(TorchResidency):
@@ -20,14 +21,13 @@ class ClassifierRunner(TorchResidency):
         self.max_length = int(max_length)
         self.top_k = int(top_k)  # labels returned per input, best first
         self.dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        self._tokenizer: Any = None
-        self._tokenizers: PerThread[Any] = PerThread(None)  # one per executor thread, from load()
+        self._encoder: BatchTokenizer | None = None  # from load(): the Rust batch encoder, shared by every thread
         self._model: Any = None
         self._labels: dict[int, str] = {}
 
     def load(self) -> None:
-        self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self._tokenizers = PerThread(self._tokenizer)
+        self._encoder = BatchTokenizer(AutoTokenizer.from_pretrained(self.path), self.max_length)
+        choose_attention(self.device)
         model: Any = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=self.dtype)
         self._model = model.to(self.device).eval()
         self._labels = {int(i): str(name) for i, name in self._model.config.id2label.items()}
@@ -51,8 +51,10 @@ class ClassifierRunner(TorchResidency):
     @torch.inference_mode()
     def run_counted(self, texts: list[str]) -> tuple[list[Any], list[int]]:
         """The labels, and the tokens each text became (special tokens and truncation included)."""
-        enc = encode(self._tokenizers.get(), texts, self.max_length, self.device)
-        probs = torch.softmax(self._model(**enc).logits.float(), dim=-1).cpu()
+        assert self._encoder is not None
+        enc = self._encoder.encode(texts)
+        inputs = to_device(enc.arrays(self._encoder.input_names), self.device)
+        probs = torch.softmax(self._model(**inputs).logits.float(), dim=-1).cpu()
         k = min(self.top_k, probs.shape[-1])
         top = probs.topk(k, dim=-1)
         outputs = [
@@ -63,4 +65,4 @@ class ClassifierRunner(TorchResidency):
             }
             for val, idx in zip(top.values, top.indices, strict=True)
         ]
-        return outputs, [int(n) for n in enc["attention_mask"].sum(dim=1).tolist()]
+        return outputs, enc.lengths.tolist()

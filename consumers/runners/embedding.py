@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from kinfer.consumers.runners.base import PerThread, TorchResidency, drop_weights, encode, estimate_tokens
+from kinfer.consumers.runners.base import TorchResidency, choose_attention, drop_weights, estimate_tokens, to_device
+from kinfer.consumers.runners.tokenize import BatchTokenizer, Encoded, length_buckets
 from kinfer.topics.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class EmbeddingRunner(TorchResidency):
         # fp16 halves memory traffic on a GPU; CPUs have no fast fp16 matmul, so they stay fp32.
         self.dtype = torch.float16 if device.startswith("cuda") else torch.float32
         self._tokenizer: Any = None
-        self._tokenizers: PerThread[Any] = PerThread(None)  # one per executor thread, from load()
+        self._encoder: BatchTokenizer | None = None  # from load(): the Rust batch encoder, shared by every thread
         self._model: Any = None
         self._session: Any = None  # an onnxruntime.InferenceSession when runtime is "onnx"
         self._onnx_inputs: list[str] = []
@@ -159,7 +160,10 @@ class EmbeddingRunner(TorchResidency):
 
     def load(self) -> None:
         self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self._tokenizers = PerThread(self._tokenizer)
+        # A GPU pads to a few bucketed lengths (each warmed once); a CPU to each batch's longest text.
+        buckets = None if self.device == "cpu" else length_buckets(self.max_length)
+        self._encoder = BatchTokenizer(self._tokenizer, self.max_length, buckets)
+        choose_attention(self.device)
         self.runtime = "torch"
         wants_onnx = self._wants_onnx()
         if wants_onnx and self._reopen_checked_export():
@@ -278,11 +282,12 @@ class EmbeddingRunner(TorchResidency):
     @torch.inference_mode()
     def _self_check(self) -> None:
         """ONNX against torch on the probe texts, padded together and one by one; refuses ONNX below the bar."""
+        def both(texts: list[str]) -> list[float]:
+            enc = self.tokenize(texts)
+            return _cosines(self._embed_onnx(enc), self._embed_torch(enc))
+
         texts = list(_PROBE_TEXTS)
-        worst = min(
-            [*_cosines(self._run_onnx(texts)[0], self._run_torch(texts)[0])]
-            + [c for t in texts for c in _cosines(self._run_onnx([t])[0], self._run_torch([t])[0])]
-        )
+        worst = min([*both(texts), *(c for t in texts for c in both([t]))])
         if worst < ONNX_MIN_COSINE:
             self._session = None
             log.warning(
@@ -308,6 +313,9 @@ class EmbeddingRunner(TorchResidency):
     def warmup(self) -> None:
         for n, words in ((1, 4), (8, 32), (32, 64)):
             self.run([" ".join(["warmup"] * words)] * n)
+        if self._model is not None and self._encoder is not None and self._encoder.buckets:
+            for width in self._encoder.buckets:  # every padded length a batch can take, met now
+                self._embed_torch(self._encoder.encode_ids(width, rows=8))
 
     def count_tokens(self, text: str) -> int:
         return estimate_tokens(text, self.max_length)
@@ -317,20 +325,25 @@ class EmbeddingRunner(TorchResidency):
 
     def run_counted(self, texts: list[str]) -> tuple[list[Any], list[int]]:
         """The vectors, and the tokens each text became (special tokens and truncation included)."""
-        if self._session is not None:
-            return self._run_onnx(texts)
-        return self._run_torch(texts)
+        enc = self.tokenize(texts)
+        vectors: list[Any] = self.embed(enc).tolist()
+        return vectors, enc.lengths.tolist()
 
-    def _run_onnx(self, texts: list[str]) -> tuple[list[Any], list[int]]:
-        enc = self._tokenizers.get()(texts, padding=True, truncation=True, max_length=self.max_length,
-                                     return_tensors="np")
-        out = self._session.run(None, {k: enc[k] for k in self._onnx_inputs})[0]
-        vectors: list[Any] = out.tolist()
-        return vectors, [int(n) for n in enc["attention_mask"].sum(axis=1)]
+    def tokenize(self, texts: list[str]) -> Encoded:
+        """The CPU's part of a batch: the texts as padded ids (the Rust batch encoder, on every core)."""
+        assert self._encoder is not None
+        return self._encoder.encode(texts)
+
+    def embed(self, enc: Encoded) -> Any:
+        """The device's part: the vectors of an encoded batch, one float32 array on the host."""
+        return self._embed_onnx(enc) if self._session is not None else self._embed_torch(enc)
+
+    def _embed_onnx(self, enc: Encoded) -> Any:
+        return self._session.run(None, enc.arrays(self._onnx_inputs))[0]
 
     @torch.inference_mode()
-    def _run_torch(self, texts: list[str]) -> tuple[list[Any], list[int]]:
-        enc = encode(self._tokenizers.get(), texts, self.max_length, self.device)
-        hidden = self._model(**enc).last_hidden_state
-        vectors: list[Any] = _pool(hidden, enc["attention_mask"]).cpu().tolist()
-        return vectors, [int(n) for n in enc["attention_mask"].sum(dim=1).tolist()]
+    def _embed_torch(self, enc: Encoded) -> Any:
+        assert self._encoder is not None
+        inputs = to_device(enc.arrays(self._encoder.input_names), self.device)
+        hidden = self._model(**inputs).last_hidden_state
+        return _pool(hidden, inputs["attention_mask"]).cpu().numpy()  # one copy off the device

@@ -12,8 +12,9 @@ from typing import Any
 from kinfer.consumers.runners.registry import minilm_path
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import local_stack, log
-from kinfer.ops.bench.load import make_texts, open_loop
+from kinfer.ops.bench.load import open_loop
 from kinfer.ops.bench.model import bench_model
+from kinfer.ops.bench.texts import make_texts
 from kinfer.ops.capacity.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS, meets_sla, percentile, percentile_ms
 from kinfer.ops.localstack.procs import scrape, spawn_worker, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import StackInfo, free_port

@@ -24,8 +24,8 @@ from typing import Any
 
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import local_stack, log, wait_http, wait_served
-from kinfer.ops.bench.load import make_texts
 from kinfer.ops.bench.loadgen import LoadGen, sweep
+from kinfer.ops.bench.texts import make_texts
 from kinfer.ops.capacity.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process
 from kinfer.ops.localstack.stack import StackInfo, free_port

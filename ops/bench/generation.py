@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 from kinfer.ops.bench import drawing as draw
+from kinfer.ops.bench.engine import drive_generation
 from kinfer.ops.bench.harness import log
-from kinfer.ops.bench.load import make_texts
-from kinfer.ops.capacity.sla import percentile
+from kinfer.ops.bench.texts import make_texts
 
 
 def bench_generation(requests: int = 96, rate: float = 40.0, max_running: int = 16, seed: int = 5) -> dict[str, Any]:
@@ -40,55 +39,12 @@ def bench_generation(requests: int = 96, rate: float = 40.0, max_running: int = 
     }
     for mode in ("continuous", "static"):
         sched = ContinuousScheduler(GenPolicy(mode=mode, max_running=max_running))
-        report[mode] = _drive_generation(runner, sched, workload)
+        report[mode] = drive_generation(runner, sched, workload)
         log(f"{mode}: {report[mode]}")
     c, st = report["continuous"], report["static"]
     report["tokens_per_s_ratio"] = round(c["tokens_per_s"] / st["tokens_per_s"], 2)
     report["ttft_p95_ratio"] = round(c["ttft_p95_ms"] / st["ttft_p95_ms"], 3)
     return report
-
-
-def _drive_generation(runner: Any, sched: Any, workload: list[tuple[float, Any]]) -> dict[str, Any]:
-    from kinfer.batcher import Sequence
-
-    arrivals = {g.id: t for t, g in workload}
-    inputs = {g.id: g for _, g in workload}
-    pending = list(workload)
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    tokens = steps = 0
-    start = time.perf_counter()
-    while pending or sched.has_work():
-        now = time.perf_counter() - start
-        while pending and pending[0][0] <= now:
-            _, g = pending.pop(0)
-            sched.add(Sequence(g.id, prompt_tokens=min(512, len(g.prompt) // 3 + 2),
-                               max_new_tokens=g.sampling.max_new_tokens, arrival=now))
-        if not sched.has_work():
-            time.sleep(max(0.0, pending[0][0] - now))
-            continue
-        plan = sched.schedule(now)
-        events = runner.step([inputs[s.id] for s in plan.admit], [s.id for s, _ in plan.evict])
-        steps += 1
-        t = time.perf_counter() - start
-        for e in events:
-            tokens += 1
-            first.setdefault(e.id, t)
-            sched.advance(e.id)
-            if e.finish is not None:
-                sched.finish(e.id)
-                done[e.id] = t
-    elapsed = max(done.values()) - min(arrivals.values())
-    ttft = [(first[i] - arrivals[i]) * 1000 for i in first]
-    latency = [(done[i] - arrivals[i]) * 1000 for i in done]
-    return {
-        "tokens_per_s": round(tokens / elapsed, 1),
-        "ttft_p50_ms": round(percentile(ttft, 50), 1),
-        "ttft_p95_ms": round(percentile(ttft, 95), 1),
-        "latency_p95_ms": round(percentile(latency, 95), 1),
-        "steps": steps,
-        "completed": len(done),
-    }
 
 
 # -- the picture ----------------------------------------------------------------------------------------

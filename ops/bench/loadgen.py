@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import IO, Any
 
 from kinfer.ops.bench.harness import cpu_seconds, log
-from kinfer.ops.bench.load import make_texts
+from kinfer.ops.bench.texts import make_texts
 from kinfer.ops.capacity.sla import meets_sla, percentile_ms
 from kinfer.ops.localstack.procs import scrape
 from kinfer.ops.localstack.stack import StackInfo

@@ -7,7 +7,7 @@ from typing import Any, cast
 
 from kinfer.consumers.runners import BatchRunner, build_runner, resolve_model
 from kinfer.ops.bench import drawing as draw
-from kinfer.ops.bench.load import make_texts
+from kinfer.ops.bench.texts import make_texts
 
 
 def bench_model(

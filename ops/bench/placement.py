@@ -33,7 +33,7 @@ from typing import Any
 
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import local_stack, log
-from kinfer.ops.bench.load import make_texts
+from kinfer.ops.bench.texts import make_texts
 from kinfer.ops.capacity.sla import SLA_P95_MS, SLA_P99_MS, meets_sla, percentile_ms
 from kinfer.ops.control.lagmon import LagMonitor
 from kinfer.ops.localstack.procs import spawn, spawn_worker, stop_process

@@ -19,6 +19,7 @@ from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.autoscale import plot_autoscale
 from kinfer.ops.bench.batching import POLICIES, plot_batching
 from kinfer.ops.bench.chaos import plot_chaos
+from kinfer.ops.bench.engine import plot_engine
 from kinfer.ops.bench.faults import plot_faults
 from kinfer.ops.bench.fill import plot_fill
 from kinfer.ops.bench.gateway import plot_serve
@@ -128,6 +129,7 @@ PLOTTERS: dict[str, tuple[Callable[[Report], bool], Callable[[Report, str], str]
     "chaos": (lambda r: _has(r, "availability", "timeline"), plot_chaos),
     "chaos-variants": (lambda r: _has(r, "variants"), plot_chaos),
     "generation": (lambda r: _has(r, "continuous", "static"), plot_generation),
+    "engine": (lambda r: _has(r, "encoder", "decoder", "open_loop"), plot_engine),
     "serve": (lambda r: _has(r, "through_gateway"), plot_serve),
     "batching": (lambda r: _has_steps(r, POLICIES), plot_batching),
     "transport": (lambda r: _has_steps(r, PATHS), plot_transport),

@@ -43,6 +43,18 @@ def _model(args: argparse.Namespace) -> dict[str, Any]:
     return bench_model(args.model, batch_sizes=args.batch_sizes, seconds=args.seconds)
 
 
+def _engine_args(be: argparse.ArgumentParser) -> None:
+    _json_arg(be)
+    be.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: small sizes (MiniLM, a 4-layer Llama); cuda: MiniLM and the 1.1B Llama shape [cpu]")
+
+
+def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    from kinfer.ops.bench.engine import bench_engine
+
+    return bench_engine(args.device)
+
+
 def _json_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one line of JSON (progress goes to stderr)")
 
@@ -243,6 +255,8 @@ def _placement(args: argparse.Namespace) -> dict[str, Any]:
 
 BENCHES = {bench.name: bench for bench in (
     Bench("model", "the model alone, in process: sequences/s by batch size", _model_args, _model),
+    Bench("engine", "the model engine alone beside the reference on one device: is the device busy?",
+          _engine_args, _engine),
     Bench("batching", "max rate meeting P95<150/P99<250 ms per batching policy, end to end", _batching_args,
           _batching),
     Bench("generation", "continuous vs static batching on a mixed generation workload", _generation_args,

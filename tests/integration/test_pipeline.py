@@ -16,7 +16,7 @@ from kinfer.batcher.dynamic import BatchPolicy
 from kinfer.consumers.runners.noop import NoopRunner
 from kinfer.consumers.runners.registry import ModelSpec, minilm_path
 from kinfer.consumers.worker import Worker, WorkerSettings
-from kinfer.ops.bench.load import make_texts
+from kinfer.ops.bench.texts import make_texts
 from kinfer.ops.localstack.procs import wait_until_served
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import BlockingClient, Client

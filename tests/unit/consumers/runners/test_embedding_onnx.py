@@ -70,7 +70,7 @@ def test_onnx_matches_torch(exported: Any, reference: Any) -> None:
 
 def test_both_runtimes_count_the_tokens_the_tokenizer_makes(exported: Any, reference: Any) -> None:
     """What usage reports: the tokenizer's own count, special tokens and truncation included."""
-    tokenizer = reference._tokenizers.get()
+    tokenizer = reference._tokenizer
     expected = [len(tokenizer(t, truncation=True, max_length=reference.max_length)["input_ids"]) for t in TEXTS]
     assert expected[0] == 3  # [CLS] hello [SEP]
     for runner in (exported, reference):
