@@ -6,6 +6,10 @@ or were cancelled (and trims cache columns that only padding still uses); ``conc
 merges newly prefilled rows into the running batch. Continuous batching is exactly these two
 operations around one forward pass per step.
 
+Each step picks every row's next token at once on the device (``devsample``: one host copy per step)
+and turns each row's new token into text with an ``IncrementalDecoder`` (``detok``: a short window per
+token, never the whole output again).
+
 Everything here runs in the worker's executor thread; nothing touches the event loop.
 """
 
@@ -24,7 +28,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kinfer.consumers.runners.base import TorchResidency, drop_weights
-from kinfer.consumers.runners.sampling import MIN_TEMPERATURE, GenInput, Sampling, TokenEvent
+from kinfer.consumers.runners.detok import IncrementalDecoder, TextRules
+from kinfer.consumers.runners.devsample import pick_tokens
+from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
 
 __all__ = ["MAX_STRIP_PASSES", "PLAIN_CHAT_STOPS", "PLAIN_CHAT_TAGS", "PLAIN_CHAT_TEMPLATE", "GenBatch", "GenInput",
            "GeneratorRunner", "Sampling", "TokenEvent"]
@@ -49,9 +55,11 @@ class _Row:
     id: str
     prompt: list[int]  # prompt token ids (speculation looks for n-grams here)
     sampling: Sampling
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # the row's own draws (None: greedy)
+    text: IncrementalDecoder  # the output's text as it becomes final
     tokens: list[int] = field(default_factory=list)
-    emitted: int = 0  # characters of the decoded text already sent
+    unsent: str = ""  # final text held back: it could still become a stop sequence
+    sent_tail: str = ""  # the last characters sent, as long as the longest stop (one may span the boundary)
 
     @property
     def prompt_tokens(self) -> int:
@@ -138,6 +146,7 @@ class GeneratorRunner(TorchResidency):
         self.model: Any = None
         self.eos: set[int] = set()
         self._specials: re.Pattern[str] | None = None  # the tokenizer's special-token strings, out of chat turns
+        self._text_rules: TextRules | None = None  # how the tokenizer decodes, for each row's IncrementalDecoder
         self.batch: GenBatch | None = None
         self._rows: dict[str, _Row] = {}
 
@@ -157,6 +166,7 @@ class GeneratorRunner(TorchResidency):
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+        self._text_rules = TextRules.of(self.tokenizer)
 
     def _weights(self) -> Any:
         return self.model
@@ -258,7 +268,8 @@ class GeneratorRunner(TorchResidency):
                          **{self._cache_kw: cache})
         self._last_logits = out.logits[:, -1, :]
         for a, e in zip(admit, encoded, strict=True):
-            self._rows[a.id] = _Row(a.id, e, a.sampling, _generator(a.id, a.sampling))
+            text = IncrementalDecoder(self.tokenizer, self.eos, self._text_rules)
+            self._rows[a.id] = _Row(a.id, e, a.sampling, _generator(a.id, a.sampling), text)
         lengths = mask.sum(-1)
         return GenBatch([a.id for a in admit], cache, mask, lengths.clone(), lengths.clone())
 
@@ -325,31 +336,42 @@ class GeneratorRunner(TorchResidency):
         return events
 
     def _sample(self, batch: GenBatch, logits: torch.Tensor) -> list[TokenEvent]:
-        events, picked = [], []
-        for r, rid in enumerate(batch.ids):
-            row = self._rows[rid]
-            token = pick_token(logits[r].float(), row.sampling, row.generator)
-            picked.append(token)
+        """Every row's next token in one pass on the device; the one copy to the host is ``tolist``."""
+        rows = [self._rows[rid] for rid in batch.ids]
+        picked = pick_tokens(logits, [(row.sampling, row.generator) for row in rows])
+        batch.next_ids = picked  # already on the device: the next step feeds it as it is
+        events = []
+        for row, token in zip(rows, picked.tolist(), strict=True):
             row.tokens.append(token)
             events.append(self._event(row, token))
-        batch.next_ids = torch.tensor(picked, device=self.device)
         return events
 
     def _event(self, row: _Row, token: int) -> TokenEvent:
+        """The text ``token`` makes final, less a stop sequence (cut, with what follows) and less what could
+        still become one (held back); at the end, everything left."""
         finish = None
         if token in self.eos:
             finish = "eos"
         elif len(row.tokens) >= row.sampling.max_new_tokens:
             finish = "length"
-        text = self.tokenizer.decode([t for t in row.tokens if t not in self.eos], skip_special_tokens=True)
-        cut = min((text.find(s, max(0, row.emitted - len(s))) for s in row.sampling.stop if s in text),
-                  default=-1)
+        fresh = row.text.push(token)  # an EOS token is skipped: it adds no text
+        if finish is not None:
+            fresh += row.text.finish()
+        stops = row.sampling.stop
+        if not stops:
+            return TokenEvent(row.id, token, fresh, finish, row.prompt_tokens, len(row.tokens))
+        text = row.sent_tail + row.unsent + fresh  # the tail of the output: what is unsent, and enough before
+        sent = len(row.sent_tail)
+        cut = min((i for s in stops if (i := text.find(s, max(0, sent - len(s)))) >= 0), default=-1)
         if cut >= 0:
-            finish, text = "stop", text[:cut]
+            finish, end = "stop", cut
         elif finish is None:
-            text = text[: len(text) - _held_back(text, row.sampling.stop)]
-        delta = text[row.emitted:]
-        row.emitted = len(text)
+            end = len(text) - _held_back(text, stops)
+        else:
+            end = len(text)
+        delta = text[sent:end]
+        row.unsent = text[max(sent, end):]
+        row.sent_tail = (row.sent_tail + delta)[-max(len(s) for s in stops):]
         return TokenEvent(row.id, token, delta, finish, row.prompt_tokens, len(row.tokens))
 
 
@@ -391,26 +413,3 @@ def _generator(request_id: str, sampling: Sampling) -> torch.Generator | None:
     if seed is None:
         seed = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
     return torch.Generator().manual_seed(seed % (2**63))
-
-
-def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """The next token: greedy, or sampled at ``temperature`` from the top-``top_p`` mass.
-
-    Total over its inputs: whatever the logits hold (NaN, ±inf, all -inf) and whatever the
-    parameters (float32 underflow of a tiny ``top_p``), the distribution it samples from is finite,
-    non-negative and keeps at least the most likely token, so ``torch.multinomial`` never raises.
-    """
-    logits = torch.nan_to_num(logits.float(), nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)  # NaN: no candidate
-    if sampling.temperature == 0 or generator is None:
-        return int(logits.argmax().item())
-    scaled = logits / max(float(sampling.temperature), MIN_TEMPERATURE)
-    top = scaled.max()
-    if not torch.isfinite(top):  # +inf somewhere (that token wins), or nothing but -inf (any does)
-        return int(scaled.argmax().item())
-    probs = torch.softmax(scaled - top, dim=-1)  # the most likely token has exp(0) = 1 before normalising
-    if sampling.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < sampling.top_p
-        keep[0] = True  # the most likely token, even when top_p underflows float32
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())

@@ -242,13 +242,15 @@ def _decoder_dir(sizes: EngineSizes, device: str) -> Iterator[Path]:
     from kinfer.consumers.runners.registry import minilm_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
+    shape: dict[str, Any] = dict(sizes.decoder)
     config = LlamaConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=4096, eos_token_id=None,
                          bos_token_id=tokenizer.cls_token_id, pad_token_id=tokenizer.pad_token_id,
-                         tie_word_embeddings=False, **sizes.decoder)
+                         tie_word_embeddings=False, **shape)
     dtype = torch.float32 if device == "cpu" else torch.float16
     torch.manual_seed(0)
+    auto: Any = AutoModelForCausalLM  # untyped in some transformers releases
     with tempfile.TemporaryDirectory(prefix="kinfer-engine-") as tmp, torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         del model
