@@ -67,9 +67,11 @@ typecheck: deps
 	$(PY) -m mypy
 
 # Tests run on every core (pytest-xdist), a file's tests on one worker: integration tests start
-# their own Kafka and Redis on free ports, one stack per worker.
+# their own Kafka and Redis on free ports, one stack per worker. Files go out in the suite's own order,
+# longest first (tests/conftest.py), not xdist's (most tests first, which left the minute-long
+# scenarios, one test a file, to run last and alone).
 test: lint typecheck
-	$(PY) -m pytest -n auto --dist loadfile
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder
 
 check: deps
 	$(PY) -m pytest tests/unit -m "not models and not slow" -n auto -q
