@@ -71,7 +71,7 @@ typecheck: deps
 # longest first (tests/conftest.py), not xdist's (most tests first, which left the minute-long
 # scenarios, one test a file, to run last and alone).
 test: lint typecheck
-	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 check: deps
 	$(PY) -m pytest tests/unit -m "not models and not slow" -n auto -q
