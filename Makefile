@@ -26,6 +26,10 @@ UV := $(VENV)/bin/uv
 UV_VERSION := $(shell sed -n '/^name = "uv"$$/{n;s/^version = "\(.*\)"$$/\1/p;}' uv.lock)
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 export UV_PYTHON_DOWNLOADS := never
+# Every package's bytecode is compiled once, at install: a process never compiles what it imports (with
+# PYTHONDONTWRITEBYTECODE set, as on CI machines, Python would compile it again in every process it
+# starts: 14 s of CPU to import a model's transformers and torch, against 6 s compiled).
+export UV_COMPILE_BYTECODE := 1
 
 $(UV):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
