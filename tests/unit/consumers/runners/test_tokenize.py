@@ -84,3 +84,16 @@ def test_padding_to_a_bucket_changes_no_embedding() -> None:
     assert np.allclose(exact, bucketed, atol=1e-5)
     warm = runner._encoder.encode_ids(96, rows=2)
     assert warm.input_ids.shape == (2, 96) and warm.attention_mask.all()
+
+
+def test_one_encoder_serves_every_executor_thread_at_once(tokenizer: Any) -> None:
+    """Set once and never changed after, the Rust tokenizer takes calls from several threads together
+    (transformers' own call sets padding on it each time: two threads at once raised "Already borrowed")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    encoder = BatchTokenizer(tokenizer, 64, length_buckets(64))
+    batches = [[f"text {i} " * (1 + (i * j) % 40) for j in range(1 + i % 7)] for i in range(200)]
+    alone = [encoder.encode(b).input_ids.tolist() for b in batches]
+    with ThreadPoolExecutor(4) as pool:
+        together = [e.input_ids.tolist() for e in pool.map(encoder.encode, batches)]
+    assert together == alone
