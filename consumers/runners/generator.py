@@ -27,7 +27,7 @@ import jinja2
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kinfer.consumers.runners.base import TorchResidency, drop_weights
+from kinfer.consumers.runners.base import TorchResidency, choose_attention, drop_weights
 from kinfer.consumers.runners.detok import IncrementalDecoder, TextRules
 from kinfer.consumers.runners.devsample import pick_tokens
 from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
@@ -154,6 +154,7 @@ class GeneratorRunner(TorchResidency):
 
     def load(self) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        choose_attention(self.device)  # the KV length is new at every step: never a per-shape plan
         model: Any = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
         self.model = model.to(self.device).eval()
         # transformers 5.x renamed ``past_key_values`` to ``cache``; the cache is updated in place.
