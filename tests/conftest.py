@@ -4,7 +4,8 @@
 next file in collection order as it finishes one. A minute-long scenario collected last runs alone
 while the other cores idle; collected first, the short files fill in around it. So files holding a
 ``slow`` test go first, then the other integration files, then the unit tests (a stable sort: the
-order within each group, and within each file, is kept).
+order within each group, and within each file, is kept). Files marked ``clock`` compare latencies:
+they go last, when the soaks that would starve them of CPU are over.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import pytest
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank: dict[str, int] = {}
     for item in items:
-        here = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("integration") else 2
-        rank[item.path.as_posix()] = min(here, rank.get(item.path.as_posix(), 2))
+        if item.get_closest_marker("clock"):
+            here = 3
+        else:
+            here = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("integration") else 2
+        rank[item.path.as_posix()] = min(here, rank.get(item.path.as_posix(), 3))
     items.sort(key=lambda item: rank[item.path.as_posix()])
