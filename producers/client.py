@@ -19,7 +19,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -223,6 +223,12 @@ class Client:
         return self._replies.channel
 
     @property
+    def asked_again(self) -> int:
+        """Requests published again because the Redis reply channel was lost and subscribed anew before
+        they were answered (a reply published meanwhile may have reached nobody)."""
+        return self._replies.asked_again
+
+    @property
     def forged_replies(self) -> int:
         """Messages on this client's own Redis channel not sealed with its key: forged, dropped."""
         return self._replies.forged
@@ -308,7 +314,7 @@ class Client:
         """Admit, publish and wait for one prepared request: its result, or the error it ended in."""
         model = request.model
         self._admit(request)
-        waiter = self._replies.expect(request.id)
+        waiter = self._replies.expect(request.id, self._asker(topic, data, request, headers))
         loop = asyncio.get_running_loop()
         timer = loop.call_at(loop.time() + max(0.0, self._remaining_s(request)), _time_out, waiter)
         try:
@@ -378,7 +384,7 @@ class Client:
             messages,
         )
         self._admit(request)
-        buffer = self._replies.open_stream(request.id)
+        buffer = self._replies.open_stream(request.id, self._asker(topic, data, request, headers))
         try:
             await self._publish(topic, data, request, headers)
             while True:
@@ -577,6 +583,20 @@ class Client:
         sends.add(self._spawn_send(topic, data, request, headers, target))
         copies.append((target, now))
         return True
+
+    def _asker(self, topic: str, data: bytes, request: Request,
+               headers: list[tuple[str, bytes]] | None) -> Callable[[], None] | None:
+        """How to publish ``request`` once more, byte for byte, should its Redis reply channel be lost
+        before it is answered (``ReplyMux``); None when its reply does not come over Redis."""
+        if request.reply.redis is None:
+            return None
+
+        def ask_again() -> None:
+            task = self._spawn_send(topic, data, request, headers, None)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+        return ask_again
 
     def _spawn_send(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
                     partition: int | None) -> asyncio.Task[None]:

@@ -44,6 +44,11 @@ LEGACY_SEALED_REPLIES = Counter(
     "kinfer_client_legacy_sealed_replies_total",
     "Replies taken under the older, unencrypted seal (from a worker not upgraded yet)",
 )
+ASKED_AGAIN = Counter(
+    "kinfer_client_requests_asked_again_total",
+    "Requests published again because the client's Redis reply channel was lost and subscribed anew before "
+    "they were answered (a reply published meanwhile may have reached nobody)",
+)
 HEDGES = Counter(
     "kinfer_client_hedges_total",
     "Requests published a second time to another partition, unanswered at the model's recent p99 (producers.hedging)",

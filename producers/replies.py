@@ -60,6 +60,13 @@ class ReplyMux:
     request (a worker redelivery after a crash); ``late`` are replies to requests whose caller had
     already given up.
 
+    A reply published on the channel while the client is not subscribed to it reaches nobody who reads
+    it: Redis keeps nothing for an absent subscriber, and a worker whose PUBLISH some other subscriber of
+    the channel heard does not send the reply to the fallback topic. So every request still waiting on
+    the channel when the client subscribes to it anew (after losing it) is asked again: the ``ask_again``
+    it was registered with publishes it once more, byte for byte (``asked_again`` counts them). Its copy
+    is answered on the channel the client reads again; a second answer is a duplicate, dropped by id.
+
     Only replies sealed with this client's key are taken. On its own Redis channel anything else is
     ``forged`` (only workers may publish there); on a shared reply topic a message that does not open
     is another client's (``unknown``): it cannot be read, and cannot be told from a forgery.
@@ -86,12 +93,14 @@ class ReplyMux:
         self.key = new_reply_key()  # our requests carry it; workers seal our replies with it
         self.redis_healthy = False
         self.received = {"redis": 0, "kafka": 0}  # replies read from each source
+        self.asked_again = 0  # requests published again after the channel was subscribed anew
         self._bootstrap = bootstrap
         self._recent: OrderedDict[str, bool] = OrderedDict()  # id → answered (False: abandoned)
         self._redis = redis
         self._pubsub = redis.pubsub(ignore_subscribe_messages=False)
         self._waiters: dict[str, asyncio.Future[Result]] = {}
         self._streams: dict[str, StreamBuffer] = {}
+        self._ask_again: dict[str, Callable[[], None]] = {}  # waiting on the channel: how to ask again
         self._tasks: list[asyncio.Task[None]] = []
         self._kafka: AIOKafkaConsumer | None = None
         self._down: dict[str, BaseException] = {}  # reader -> why it is not running now
@@ -180,19 +189,26 @@ class ReplyMux:
             await self._kafka.stop()
         self._fail_all(Unavailable("client closed"))
 
-    def expect(self, request_id: str) -> asyncio.Future[Result]:
-        """Register interest before publishing the request (a fast reply must find its waiter)."""
+    def expect(self, request_id: str, ask_again: Callable[[], None] | None = None) -> asyncio.Future[Result]:
+        """Register interest before publishing the request (a fast reply must find its waiter).
+        ``ask_again``: for a request whose reply comes over the Redis channel, how to publish it once
+        more should the channel be lost before its reply comes."""
         fut: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = fut
+        if ask_again is not None:
+            self._ask_again[request_id] = ask_again
         return fut
 
-    def open_stream(self, request_id: str) -> StreamBuffer:
-        """Register a streaming request before publishing it."""
+    def open_stream(self, request_id: str, ask_again: Callable[[], None] | None = None) -> StreamBuffer:
+        """Register a streaming request before publishing it (``ask_again`` as for ``expect``)."""
         buffer = self._streams[request_id] = StreamBuffer()
+        if ask_again is not None:
+            self._ask_again[request_id] = ask_again
         return buffer
 
     def forget(self, request_id: str) -> None:
         """The caller is done with ``request_id`` (answered or not)."""
+        self._ask_again.pop(request_id, None)
         fut = self._waiters.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
@@ -217,6 +233,7 @@ class ReplyMux:
                         await self._subscribe()
                         log.info("Redis is back: replies on %s again", self.channel)
                         backoff.reset()
+                        self._ask_everyone_again()
                     msg = await self._pubsub.get_message(timeout=None)  # blocks until a message (or an error)
                 except (RedisError, OSError, Unavailable) as exc:
                     if self.redis_healthy:
@@ -229,6 +246,22 @@ class ReplyMux:
         except Exception:
             await self._resubscribe_later()  # the subscription this run had is not trusted again
             raise
+
+    def _ask_everyone_again(self) -> None:
+        """Subscribed anew: every request still waiting on the channel may have had its reply published
+        while nobody here listened. Each is published once more; its answer now comes here."""
+        waiting = [ask for rid, ask in self._ask_again.items() if rid in self._waiters or rid in self._streams]
+        if not waiting:
+            return
+        log.warning("asking %d requests again: their replies may have been published while %s was not read",
+                    len(waiting), self.channel)
+        self.asked_again += len(waiting)
+        metrics.ASKED_AGAIN.inc(len(waiting))
+        for ask in waiting:
+            try:
+                ask()
+            except Exception:  # one request's copy must not keep the others from theirs
+                log.exception("asking a request again failed")
 
     async def _resubscribe_later(self) -> None:
         """Drop the subscription (requests go by the topic meanwhile); the reader subscribes anew."""
@@ -347,6 +380,7 @@ class ReplyMux:
             self._fail_all(Unavailable(f"reply channel {self.channel} failed: {exc}"))
 
     def _fail_all(self, exc: BaseException) -> None:
+        self._ask_again.clear()
         waiters, self._waiters = self._waiters, {}
         for fut in waiters.values():
             if not fut.done():

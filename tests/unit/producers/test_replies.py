@@ -259,3 +259,89 @@ async def test_a_reply_just_after_its_caller_timed_out_is_late_not_unknown() -> 
     mux._receive(seal(result("slow"), mux.key), "kafka")  # the fallback copy: late again, never a duplicate answer
     assert (mux.late, mux.duplicates) == (2, 0)
     await mux.close()
+
+
+class _Connection:
+    """A Redis pub/sub connection the test can break: one subscription, confirmed, then what is sent."""
+
+    def __init__(self, redis: _BreakableRedis) -> None:
+        self.redis = redis
+        self.subscribed = False
+        self._confirm = False
+        self.lost = asyncio.Event()
+
+    async def subscribe(self, channel: str) -> None:
+        if self.redis.down:
+            raise RedisConnectionError("refused")
+        self.subscribed = self._confirm = True
+        self.redis.live = self
+
+    async def get_message(self, timeout: float | None = None) -> dict[str, object] | None:  # noqa: ASYNC109 -- redis-py's signature
+        if self._confirm:
+            self._confirm = False
+            return {"type": "subscribe"}
+        await self.lost.wait()
+        raise RedisConnectionError("connection lost")
+
+    async def aclose(self) -> None:
+        self.subscribed = False
+
+
+class _BreakableRedis:
+    """Hands out ``_Connection``s; ``drop`` ends the live one and refuses new ones until ``serve``."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.live: _Connection | None = None
+
+    def pubsub(self, **_: object) -> _Connection:
+        return _Connection(self)
+
+    def drop(self) -> None:
+        self.down = True
+        if self.live is not None:
+            self.live.lost.set()
+
+    def serve(self) -> None:
+        self.down = False
+
+
+async def test_requests_waiting_on_the_channel_are_asked_again_when_it_is_subscribed_anew() -> None:
+    """Between losing its channel and subscribing again, a client hears nothing that is published there,
+    and a worker whose PUBLISH another subscriber heard sends it nowhere else. So what waits on the channel
+    when it is back is asked again, once per loss; what was answered, forgotten or routed elsewhere is not."""
+    redis = _BreakableRedis()
+    mux = ReplyMux(redis, "kinfer:reply:t:test")  # type: ignore[arg-type]
+    await mux.start()
+    asked: list[str] = []
+    waiting = {rid: mux.expect(rid, lambda rid=rid: asked.append(rid)) for rid in ("answered", "forgotten", "a")}
+    mux.expect("kafka")  # routed to the topic: never asked again
+    stream = mux.open_stream("s", lambda: asked.append("s"))
+    mux._receive(seal(result("answered"), mux.key), "redis")
+    assert waiting["answered"].done()
+    mux.forget("answered")
+    mux.forget("forgotten")
+
+    redis.drop()
+    await until(lambda: not mux.redis_healthy)
+    mux.expect("meanwhile")  # sent while the channel is down: its route is the topic
+    assert asked == []  # nothing is asked again while nobody can be told
+    redis.serve()
+    await until(lambda: mux.redis_healthy)
+    assert sorted(asked) == ["a", "s"] and mux.asked_again == 2
+
+    later = mux.expect("later", lambda: asked.append("later"))  # sent after: its reply comes here
+    redis.drop()
+    redis.serve()
+    await until(lambda: mux.asked_again == 5)
+    assert sorted(asked) == ["a", "a", "later", "s", "s"]
+    assert not later.done() and not stream.finished
+    await mux.close()
+
+
+async def until(predicate: object, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
