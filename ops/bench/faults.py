@@ -14,6 +14,11 @@ request every ``1/rate`` s, deadline ``deadline_ms``). Each request ends in one 
 The default deadline (30 s) is longer than any scenario's recovery, so an accepted request that
 goes unanswered is a loss, not a late answer.
 
+``lost_ids`` names the lost requests (the first 100). ``cycles`` repeats a scenario's fault within one
+run where the scenario says it can (one clean cycle proves little), and the load goes on as long as the
+fault does; a scenario may bring its own load
+(``Shape``: the one a report reproduced), which values given to ``bench_faults`` replace.
+
 ``duplicates_delivered`` counts calls that got an answer that was not theirs or a second one
 (the client drops repeats: ``duplicates_dropped``); ``recovery_s`` is how long the fault's effect
 lasted: from the fault to the completion of the last request that took more than a second;
@@ -25,6 +30,8 @@ stream and a gateway beside the workers, and sends them everything ``ops.hostile
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import signal
 import tempfile
@@ -40,6 +47,7 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from redis.exceptions import RedisError
 
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench import hostile
@@ -50,6 +58,7 @@ from kinfer.producers import Client
 from kinfer.topics import DeadlineExceeded, KinferError, Priority, ReplyRoute, Request, now_ms, pack
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 from kinfer.topics.names import DEFAULT_REPLY_TOPIC, request_topic
+from kinfer.topics.readers import close_pubsub
 
 SLOW_S = 1.0  # a request slower than this was disturbed by the fault
 
@@ -78,6 +87,8 @@ class _Run:
     killed: set[int] = field(default_factory=set)
     others: list[Popen[bytes]] = field(default_factory=list)  # other kinfer processes a fault started
     notes: dict[str, Any] = field(default_factory=dict)  # what a fault reports beside the counts
+    cycles: int = 1  # times a repeatable fault is applied
+    beside: list[asyncio.Task[None]] = field(default_factory=list)  # run by a fault until the load is over
 
     def spawn(self) -> Popen[bytes]:
         proc = spawn_worker(self.info, self.model, *self.worker_args,
@@ -98,12 +109,26 @@ Fault = Callable[[_Run], Coroutine[Any, Any, None]]
 
 
 @dataclass(frozen=True)
+class Shape:
+    """A scenario's own load: requests/s, seconds before and from the fault, deadline, partitions of each
+    priority topic, and the lone worker's membership (``static`` or ``dynamic``)."""
+
+    rate: float = 40.0
+    before_s: float = 3.0
+    after_s: float = 15.0
+    deadline_ms: int = 30_000
+    partitions: int = 4
+    membership: str = "default"
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     fault: Fault
     workers: int = 2
     brokers: int = 1
     worker_args: tuple[str, ...] = ()
+    shape: Shape = Shape()
 
 
 # -- the faults ---------------------------------------------------------------------------------
@@ -126,17 +151,46 @@ async def _stop_past_session_timeout(run: _Run) -> None:
     os.kill(worker.pid, signal.SIGCONT)
 
 
-async def _stop_with_redis_restart(run: _Run) -> None:
-    """The only worker paused past its session timeout while Redis dies and comes back: it resumes
-    with a backlog in Kafka, a stale Redis connection, and a group that no longer knows it."""
+async def _stop_across_redis_restart(run: _Run) -> None:
+    """The shape that lost accepted requests: the only worker (dynamic member, 6 s session) is paused 1 s
+    before Redis is SIGKILLed, Redis stays down 6 s and comes back on its port, and the worker resumes
+    0.1 s after, with a backlog whose replies it publishes at once, while the client is still waiting
+    out its back-off before it subscribes again. A second reader of the client's channel (a monitor)
+    subscribes again within 0.2 s of Redis returning, so the worker's PUBLISH is heard and not sent to
+    the fallback topic. Each cycle ends 4 s after the worker resumed."""
+    witness = asyncio.create_task(_second_reader(run.info.redis_url, run.client.reply_channel))
+    run.beside.append(witness)
     worker = run.workers[0]
-    os.kill(worker.pid, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        await _kill_redis_and_restart(run)
-        await asyncio.sleep(max(0.0, 8.0 - (time.monotonic() - started)))  # past the 6 s session timeout
-    finally:
-        os.kill(worker.pid, signal.SIGCONT)
+    for cycle in range(run.cycles):
+        if cycle:
+            await asyncio.sleep(4.0)
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.0)
+            os.kill(run.info.redis_pid, signal.SIGKILL)
+            await asyncio.sleep(6.0)
+            await run.restart_stack()  # Redis again, on its port
+            run.info = run.local.load() or run.info  # its new pid
+            await asyncio.sleep(0.1)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+
+
+async def _second_reader(url: str, channel: str) -> None:
+    """Subscribed to ``channel`` whenever Redis is up (again 0.2 s after losing it), reading and dropping."""
+    while True:
+        redis = aioredis.Redis.from_url(url, socket_connect_timeout=1.0)
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(channel)
+            while True:
+                await pubsub.get_message(timeout=1.0)
+        except (RedisError, OSError):
+            await asyncio.sleep(0.2)
+        finally:
+            await close_pubsub(pubsub)
+            with contextlib.suppress(RedisError, OSError):
+                await redis.aclose()
 
 
 async def _kill_broker_and_restart(run: _Run) -> None:
@@ -227,7 +281,9 @@ SCENARIOS = (
     Scenario("worker_sigkill_one_of_two", _kill_one_of_two),
     Scenario("worker_sigkill_only_and_restart", _kill_only_and_restart, workers=1),
     Scenario("worker_sigstop_past_session_timeout", _stop_past_session_timeout),
-    Scenario("worker_sigstop_with_redis_restart", _stop_with_redis_restart, workers=1),
+    Scenario("worker_sigstop_across_redis_restart", _stop_across_redis_restart, workers=1,
+             shape=Shape(rate=50.0, before_s=9.0, after_s=31.0, deadline_ms=10_000, partitions=6,
+                         membership="dynamic")),
     Scenario("broker_sigkill_and_restart", _kill_broker_and_restart),
     Scenario("redis_sigkill_and_restart", _kill_redis_and_restart),
     Scenario("one_broker_of_three_sigkilled", _kill_one_broker_of_three, brokers=3),
@@ -241,9 +297,11 @@ SCENARIOS = (
 # -- running one ------------------------------------------------------------------------------
 
 
-async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_dir: Path, rate: float,
-                    before_s: float, after_s: float, deadline_ms: int, partitions: int = 4,
-                    static: bool | None = None) -> dict[str, Any]:
+async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_dir: Path, shape: Shape,
+                    cycles: int = 1) -> dict[str, Any]:
+    rate, before_s, after_s, deadline_ms, partitions = (shape.rate, shape.before_s, shape.after_s,
+                                                        shape.deadline_ms, shape.partitions)
+    static = None if shape.membership == "default" else shape.membership == "static"
     model = f"faults-{uuid.uuid4().hex[:6]}"
     await ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(model, partitions)])
     async with Client(info.bootstrap, info.redis_url, tenant="faults", admission=False) as client:
@@ -251,7 +309,7 @@ async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_
             static = scenario.workers == 1
         instance = f"faults-{uuid.uuid4().hex[:6]}" if static and scenario.workers == 1 else None
         args = ("--family", "noop", *(("--instance-id", instance) if instance else ()), *scenario.worker_args)
-        run = _Run(local, info, model, client, log_dir, args)
+        run = _Run(local, info, model, client, log_dir, args, cycles=cycles)
         for _ in range(scenario.workers):
             run.spawn()
         await wait_until_served(client, model)
@@ -277,18 +335,25 @@ async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_
         fault_at = started + before_s
         tasks = []
         fault_task = None
-        for i in range(int(rate * (before_s + after_s))):
+        # The load goes on for ``after_s`` from the fault, and as long as the fault goes on (several cycles).
+        planned = int(rate * (before_s + after_s))
+        i = 0
+        while i < planned or (fault_task is not None and not fault_task.done()):
             at = started + i / rate
+            i += 1
             if fault_task is None and at >= fault_at:
                 fault_task = asyncio.create_task(scenario.fault(run))
                 fault_at = time.monotonic()
             await asyncio.sleep(max(0.0, at - time.monotonic()))
-            call = _Call(f"{model}-{i}", time.monotonic())
+            call = _Call(f"{model}-{i - 1}", time.monotonic())
             calls.append(call)
             tasks.append(asyncio.create_task(one(call)))
         if fault_task is not None:
             await fault_task
         await asyncio.gather(*tasks)
+        for task in run.beside:
+            task.cancel()
+        await asyncio.gather(*run.beside, return_exceptions=True)
         slow_done = [c.done for c in calls if c.done - c.sent > SLOW_S and c.done >= fault_at]
         exits = sum(1 for w in run.workers if w.poll() is not None and w.pid not in run.killed)
         died = exits + sum(1 for p in run.others if p.poll() is not None)
@@ -298,6 +363,7 @@ async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_
             "error": sum(c.kind == "error" for c in calls),
             "unaccepted": sum(c.kind == "unaccepted" for c in calls),
             "lost": sum(c.kind == "lost" for c in calls),
+            "lost_ids": [c.rid for c in calls if c.kind == "lost"][:100],
             "duplicates_delivered": sum(c.wrong for c in calls) + sum(n - 1 for n in answers.values() if n > 1),
             "duplicates_dropped": client.duplicate_replies,
             "recovery_s": round(max(slow_done) - fault_at, 2) if slow_done else 0.0,
@@ -311,19 +377,25 @@ async def _scenario(scenario: Scenario, local: LocalStack, info: StackInfo, log_
         return report
 
 
-def bench_faults(rate: float = 40.0, before_s: float = 3.0, after_s: float = 15.0, deadline_ms: int = 30_000,
-                 only: tuple[str, ...] = (), partitions: int = 4, membership: str = "default") -> dict[str, Any]:
-    """``partitions``: per priority topic; ``membership``: ``static`` or ``dynamic`` for the scenarios'
-    lone workers (``default``: static, as the restart scenario needs)."""
+def bench_faults(rate: float | None = None, before_s: float | None = None, after_s: float | None = None,
+                 deadline_ms: int | None = None, only: tuple[str, ...] = (), partitions: int | None = None,
+                 membership: str | None = None, cycles: int = 1) -> dict[str, Any]:
+    """Each value left ``None`` is the scenario's own (``Shape``: 40 requests/s, 3 s before the fault and
+    15 s from it, 30 s deadlines, 4 partitions, lone workers static). ``partitions``: per priority topic;
+    ``membership``: ``static`` or ``dynamic`` for the scenarios' lone workers (``default``: static, as
+    the restart scenario needs); ``cycles``: times a repeatable fault is applied in one run."""
     chosen = [s for s in SCENARIOS if not only or s.name in only]
     unknown = set(only) - {s.name for s in SCENARIOS}
     if unknown:
         raise ValueError(f"unknown scenarios {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}")
-    if membership not in ("default", "static", "dynamic"):
+    if membership not in (None, "default", "static", "dynamic"):
         raise ValueError(f"membership is static, dynamic or default, not {membership!r}")
-    static = None if membership == "default" else membership == "static"
-    report: dict[str, Any] = {"rate": rate, "seconds": before_s + after_s, "deadline_ms": deadline_ms,
-                              "partitions": partitions, "membership": membership, "workers": "noop", "scenarios": {}}
+    if cycles < 1:
+        raise ValueError(f"cycles must be >= 1, not {cycles}")
+    given: dict[str, Any] = {k: v for k, v in (("rate", rate), ("before_s", before_s), ("after_s", after_s),
+                                ("deadline_ms", deadline_ms), ("partitions", partitions),
+                                ("membership", membership)) if v is not None}
+    report: dict[str, Any] = {**given, "cycles": cycles, "workers": "noop", "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="kinfer-faults-") as tmp:
         for brokers in sorted({s.brokers for s in chosen}):
             local = LocalStack(Path(tmp) / f"stack-{brokers}", brokers=brokers)
@@ -331,9 +403,9 @@ def bench_faults(rate: float = 40.0, before_s: float = 3.0, after_s: float = 15.
                 for scenario in (s for s in chosen if s.brokers == brokers):
                     log(f"{scenario.name} ...")
                     info = local.load() or info  # a restart keeps ports, not pids
-                    result = asyncio.run(_scenario(scenario, local, info, Path(tmp), rate, before_s, after_s,
-                                                   deadline_ms, partitions, static))
-                    report["scenarios"][scenario.name] = result
+                    shape = dataclasses.replace(scenario.shape, **given)
+                    result = asyncio.run(_scenario(scenario, local, info, Path(tmp), shape, cycles))
+                    report["scenarios"][scenario.name] = {**dataclasses.asdict(shape), **result}
                     log(f"  {result}")
     return report
 

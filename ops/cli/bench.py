@@ -131,21 +131,26 @@ def _transport(args: argparse.Namespace) -> dict[str, Any]:
 
 def _faults_args(bf: argparse.ArgumentParser) -> None:
     _json_arg(bf)
-    bf.add_argument("--rate", type=float, default=40.0, help="requests/s through the client library")
-    bf.add_argument("--before-s", type=float, default=3.0, help="load before the fault")
-    bf.add_argument("--after-s", type=float, default=15.0, help="load from the fault on")
-    bf.add_argument("--deadline-ms", type=int, default=30_000, help="longer than any recovery: unanswered = lost")
+    own = " (default: each scenario's own; mostly {})"
+    bf.add_argument("--rate", type=float, help="requests/s through the client library" + own.format(40))
+    bf.add_argument("--before-s", type=float, help="load before the fault" + own.format(3))
+    bf.add_argument("--after-s", type=float, help="load from the fault on" + own.format(15))
+    bf.add_argument("--deadline-ms", type=int,
+                    help="longer than any recovery: unanswered = lost" + own.format(30_000))
     bf.add_argument("--scenario", action="append", help="run only these (default: all)")
-    bf.add_argument("--partitions", type=int, default=4, help="partitions of each priority topic of the model")
-    bf.add_argument("--membership", choices=("default", "static", "dynamic"), default="default",
-                    help="lone workers join as static members (--instance-id) or dynamic ones (default: static)")
+    bf.add_argument("--partitions", type=int, help="partitions of each priority topic of the model" + own.format(4))
+    bf.add_argument("--membership", choices=("default", "static", "dynamic"),
+                    help="lone workers join as static members (--instance-id) or dynamic ones (default: each "
+                         "scenario's own; mostly static)")
+    bf.add_argument("--cycles", type=int, default=1, help="apply a repeatable fault this many times in one run")
 
 
 def _faults(args: argparse.Namespace) -> dict[str, Any]:
     from kinfer.ops.bench.faults import bench_faults
 
     return bench_faults(rate=args.rate, before_s=args.before_s, after_s=args.after_s, deadline_ms=args.deadline_ms,
-                        only=tuple(args.scenario or ()), partitions=args.partitions, membership=args.membership)
+                        only=tuple(args.scenario or ()), partitions=args.partitions, membership=args.membership,
+                        cycles=args.cycles)
 
 
 def _chaos_args(bc: argparse.ArgumentParser) -> None:
