@@ -2,31 +2,37 @@
 
     POST /v1/files                      upload a batch input file (multipart: ``purpose=batch``, ``file``)
     GET  /v1/files, /v1/files/{id}      the caller's files
-    GET  /v1/files/{id}/content         a file's bytes: an input, or a batch's output or error file
+    GET  /v1/files/{id}/content         a file's bytes: an input, or a batch's output or error file (streamed)
+    DELETE /v1/files/{id}               remove a file (its bytes leave the compacted topic)
     POST /v1/batches                    start a batch: ``input_file_id``, ``endpoint``, ``completion_window``
     GET  /v1/batches, /v1/batches/{id}  the caller's batches, newest first (``limit``, ``after``)
     POST /v1/batches/{id}/cancel        stop it: what has been answered is its output
 
-A tenant sees and touches only its own files and batches (another's id is 404, as an unknown one).
-Uploads and new batches pass the tenant's rate limit; every request is bounded before it is read.
+Every route authenticates the caller and takes from its rate before it looks anything up or reads a
+body: without a valid key the answer is the same 401 whatever the id. A tenant sees and touches only its
+own files and batches (another's id is 404, as an unknown one). Every request is bounded before it is read,
+and each tenant within its storage (``MAX_TENANT_FILES``, ``MAX_TENANT_BYTES``) and its open transfers
+(``MAX_TENANT_TRANSFERS`` uploads and downloads at once): past them, 429.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+import unicodedata
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from typing import Annotated, TypeVar
 
 import msgspec
-from msgspec.structs import replace
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from kinfer.producers.batches import BatchStore, new_id
-from kinfer.producers.gateway_pipeline import Gateway
+from kinfer.producers.gateway_pipeline import Gateway, RateLimited
 from kinfer.producers.http import BadBody, ascii_int, error_body, json_response, read_body
 from kinfer.producers.openai_api import openai_decode
 from kinfer.topics import InvalidRequest, Unavailable
@@ -40,7 +46,12 @@ from kinfer.topics.batches import (
     valid_file_id,
 )
 
-MAX_LIST = 100  # objects one list call returns
+MAX_LIST = 100  # batches one list call returns
+MAX_FILE_LIST = 10_000  # files one list call returns (OpenAI's bound, and its default)
+MAX_FILENAME_BYTES = 255  # a stored filename, in UTF-8
+MAX_TENANT_FILES = 10_000  # files a tenant may hold (its batches' outputs count)
+MAX_TENANT_BYTES = 16 * 1024**3  # bytes they may hold together
+MAX_TENANT_TRANSFERS = 4  # uploads and downloads of one tenant open at once, on one gateway
 T = TypeVar("T", FileObject, BatchObject)
 
 
@@ -56,6 +67,31 @@ def _not_found(kind: str, what: str) -> Response:
     return json_response(error_body("not_found", f"no {kind} {what[:80]!r}", "id"), 404)
 
 
+def clean_filename(name: str | None) -> str:
+    """A multipart filename as it is stored: valid UTF-8 (a lone surrogate, which a ``charset`` such as
+    utf-7 can decode to, becomes "?"), no control characters, at most ``MAX_FILENAME_BYTES`` bytes (cut
+    at a character), and never empty."""
+    text = (name or "").encode("utf-8", "replace").decode("utf-8")
+    text = "".join(c for c in unicodedata.normalize("NFC", text) if unicodedata.category(c)[0] != "C").strip()
+    text = text.encode("utf-8")[:MAX_FILENAME_BYTES].decode("utf-8", "ignore")
+    return text or "input.jsonl"
+
+
+def _page(request: Request, items: list[T], most: int, default: int) -> dict[str, object]:
+    """One page of ``items`` (newest first) as OpenAI lists them: ``limit`` and ``after`` (an id)."""
+    limit = ascii_int(request.query_params.get("limit", str(default)), 1, most)
+    if limit is None:
+        raise InvalidRequest(f"limit must be a whole number within 1..{most}", "limit")
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [item.id for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": [item.to_openai() for item in page],
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+            "has_more": len(items) > limit}
+
+
 async def _once(data: bytes) -> AsyncGenerator[bytes, None]:
     yield data
 
@@ -65,6 +101,28 @@ class BatchAPI:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self._transfers: Counter[str] = Counter()  # tenant -> uploads and downloads open now
+
+    def _room(self, tenant: str) -> None:
+        """429 when ``tenant`` has ``MAX_TENANT_TRANSFERS`` uploads and downloads open already."""
+        if self._transfers[tenant] >= MAX_TENANT_TRANSFERS:
+            raise RateLimited(f"tenant {tenant!r} has {MAX_TENANT_TRANSFERS} uploads and downloads open: "
+                              "finish one first", retry_after_s=1.0)
+
+    @contextlib.contextmanager
+    def _transfer(self, tenant: str) -> Iterator[None]:
+        """One of ``tenant``'s open transfers, for as long as it lasts (429 past ``MAX_TENANT_TRANSFERS``)."""
+        self._room(tenant)
+        self._transfers[tenant] += 1
+        try:
+            yield
+        finally:
+            self._release(tenant)
+
+    def _release(self, tenant: str) -> None:
+        self._transfers[tenant] -= 1
+        if not self._transfers[tenant]:
+            del self._transfers[tenant]
 
     @property
     def store(self) -> BatchStore:
@@ -73,32 +131,41 @@ class BatchAPI:
             raise Unavailable("the batch store is starting")
         return store
 
-    def _tenant(self, request: Request) -> str:
-        who = self.gateway.authenticate(request.headers)
-        return who.name if who is not None else "anonymous"
-
-    async def _admitted(self, request: Request, route: str) -> str:
+    async def _caller(self, request: Request, route: str) -> str:
+        """The caller's tenant: authenticated (401 otherwise), and charged one request of its rate (429)."""
         who = self.gateway.authenticate(request.headers)
         return await self.gateway.admit(who, route)
 
-    def _own(self, request: Request, table: Mapping[str, T], key: str, valid: Callable[[str], bool]) -> T | None:
-        """The caller's entry ``key`` of ``table``: None for an id that is malformed, unknown or another's."""
+    @staticmethod
+    def _own(tenant: str, table: Mapping[str, T], key: str, valid: Callable[[str], bool]) -> T | None:
+        """``tenant``'s entry ``key`` of ``table``: None for an id that is malformed, unknown or another's."""
         found = table.get(key) if valid(key) else None
-        return found if found is not None and found.tenant == self._tenant(request) else None
+        return found if found is not None and found.tenant == tenant else None
 
-    def _mine(self, request: Request, table: Mapping[str, T]) -> list[T]:
-        """The caller's entries of ``table``, newest first."""
-        tenant = self._tenant(request)
+    @staticmethod
+    def _mine(tenant: str, table: Mapping[str, T]) -> list[T]:
+        """``tenant``'s entries of ``table``, newest first."""
         return sorted((e for e in table.values() if e.tenant == tenant), key=lambda e: (e.created_at, e.id),
                       reverse=True)
 
     # -- files --------------------------------------------------------------------------------------
 
     async def upload(self, request: Request) -> Response:
-        tenant = await self._admitted(request, "files")
+        tenant = await self._caller(request, "files")
         store = self.store
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise InvalidRequest("the upload must be a multipart/form-data form (purpose, file)", "file")
+        held = [f for f in store.view.files.values() if f.tenant == tenant]
+        if len(held) >= MAX_TENANT_FILES or sum(f.bytes for f in held) >= MAX_TENANT_BYTES:
+            raise RateLimited(f"tenant {tenant!r} holds {len(held)} files: at its storage limit "
+                              f"({MAX_TENANT_FILES} files, {MAX_TENANT_BYTES} bytes); delete some first",
+                              retry_after_s=60.0)
+        with self._transfer(tenant):  # from its first byte to its last chunk in Kafka
+            meta = await self._store_upload(request, store, tenant)
+        return json_response(meta.to_openai())
+
+    @staticmethod
+    async def _store_upload(request: Request, store: BatchStore, tenant: str) -> FileObject:
         data = await read_body(request, MAX_FILE_BYTES + 65_536)
         try:
             form = await MultiPartParser(request.headers, _once(data), max_files=1, max_fields=8).parse()
@@ -114,34 +181,52 @@ class BatchAPI:
         content = await upload.read(MAX_FILE_BYTES + 1)
         if len(content) > MAX_FILE_BYTES:
             raise BadBody(f"the file is over {MAX_FILE_BYTES} bytes", "file", 413)
-        meta = await store.put_file(tenant, "batch", upload.filename or "input.jsonl", content)
-        return json_response(meta.to_openai())
+        return await store.put_file(tenant, "batch", clean_filename(upload.filename), content)
 
-    def _file(self, request: Request) -> FileObject | None:
-        return self._own(request, self.store.view.files, request.path_params["file_id"], valid_file_id)
+    async def _file(self, request: Request) -> FileObject | None:
+        tenant = await self._caller(request, "files")
+        return self._own(tenant, self.store.view.files, request.path_params["file_id"], valid_file_id)
 
     async def get_file(self, request: Request) -> Response:
-        meta = self._file(request)
+        meta = await self._file(request)
         return json_response(meta.to_openai()) if meta else _not_found("file", request.path_params["file_id"])
 
     async def list_files(self, request: Request) -> Response:
-        mine = self._mine(request, self.store.view.files)
-        return json_response({"object": "list", "data": [f.to_openai() for f in mine[:10_000]], "has_more": False})
+        tenant = await self._caller(request, "files")
+        return json_response(_page(request, self._mine(tenant, self.store.view.files), MAX_FILE_LIST, MAX_FILE_LIST))
 
     async def content(self, request: Request) -> Response:
-        meta = self._file(request)
+        """The file's bytes, streamed a chunk at a time as the caller reads them: a caller that does not read
+        holds one chunk of the gateway's memory, and one of its tenant's transfers."""
+        meta = await self._file(request)
         if meta is None:
             return _not_found("file", request.path_params["file_id"])
-        try:
-            data = await self.store.read_file(meta)
-        except (KeyError, TimeoutError) as exc:
-            raise Unavailable(f"{meta.id} cannot be read now: {exc}") from None
-        return Response(data, media_type="application/octet-stream")
+        if not self.store.readable(meta):
+            raise Unavailable(f"{meta.id} cannot be read now: chunks are missing")
+        self._room(meta.tenant)  # 429 now, before a byte is sent
+
+        async def body() -> AsyncIterator[bytes]:
+            self._transfers[meta.tenant] += 1  # held while it is read (counted from its first byte)
+            try:
+                async for chunk in self.store.chunks(meta):
+                    yield chunk
+            finally:
+                self._release(meta.tenant)
+
+        return StreamingResponse(body(), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(meta.bytes)})
+
+    async def delete_file(self, request: Request) -> Response:
+        meta = await self._file(request)
+        if meta is None:
+            return _not_found("file", request.path_params["file_id"])
+        await self.store.delete_file(meta)
+        return json_response({"id": meta.id, "object": "file", "deleted": True})
 
     # -- batches ------------------------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        tenant = await self._admitted(request, "batches")
+        tenant = await self._caller(request, "batches")
         store = self.store
         body = openai_decode(await read_body(request), CreateBatchBody)
         if body.endpoint not in ENDPOINTS:
@@ -158,35 +243,23 @@ class BatchAPI:
         await store.put_batch(batch)
         return json_response(batch.to_openai())
 
-    def _batch(self, request: Request) -> BatchObject | None:
-        return self._own(request, self.store.view.batches, request.path_params["batch_id"], valid_batch_id)
+    async def _batch(self, request: Request) -> BatchObject | None:
+        tenant = await self._caller(request, "batches")
+        return self._own(tenant, self.store.view.batches, request.path_params["batch_id"], valid_batch_id)
 
     async def get_batch(self, request: Request) -> Response:
-        batch = self._batch(request)
+        batch = await self._batch(request)
         return json_response(batch.to_openai()) if batch else _not_found("batch", request.path_params["batch_id"])
 
     async def list_batches(self, request: Request) -> Response:
-        limit = ascii_int(request.query_params.get("limit", "20"), 1, MAX_LIST)
-        if limit is None:
-            raise InvalidRequest(f"limit must be a whole number within 1..{MAX_LIST}", "limit")
-        mine = self._mine(request, self.store.view.batches)
-        after = request.query_params.get("after")
-        if after is not None:
-            ids = [b.id for b in mine]
-            mine = mine[ids.index(after) + 1:] if after in ids else []
-        page = mine[:limit]
-        return json_response({"object": "list", "data": [b.to_openai() for b in page],
-                              "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
-                              "has_more": len(mine) > limit})
+        tenant = await self._caller(request, "batches")
+        return json_response(_page(request, self._mine(tenant, self.store.view.batches), MAX_LIST, 20))
 
     async def cancel(self, request: Request) -> Response:
-        await self._admitted(request, "batches")
-        batch = self._batch(request)
+        batch = await self._batch(request)
         if batch is None:
             return _not_found("batch", request.path_params["batch_id"])
-        if batch.status in ("validating", "in_progress"):
-            batch = await self.store.put_batch(replace(batch, status="cancelling", cancelling_at=int(time.time())))
-        elif batch.status != "cancelling":
+        if batch.terminal:
             return json_response(error_body("invalid_request", f"batch {batch.id} is {batch.status}: it cannot be "
                                             "cancelled", "batch_id"), 409)
-        return json_response(batch.to_openai())
+        return json_response((await self.store.cancel(batch)).to_openai())

@@ -31,7 +31,7 @@ import io
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -40,6 +40,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from msgspec.structs import replace
 
+from kinfer.producers.batchstate import cancelled, ending, merge
 from kinfer.producers.client import Client
 from kinfer.producers.http import MAX_BODY_BYTES
 from kinfer.producers.openai_api import (
@@ -282,7 +283,7 @@ class BatchStore:
                     return
                 batch = BatchObject.unpack(value)
                 if batch.id == text:
-                    self.view.batches[text] = _newer(self.view.batches.get(text), batch)
+                    self.view.batches[text] = merge(self.view.batches.get(text), batch)
             elif text.startswith("c:"):
                 file_id, _, n = text[2:].rpartition(":")
                 if value is None:
@@ -308,6 +309,9 @@ class BatchStore:
 
     async def put_file(self, tenant: str, purpose: str, filename: str, data: bytes) -> FileObject:
         file_id = new_id("file-")
+        # The record it ends with, packed first: a field out of its bounds fails here, before any chunk is written.
+        FileObject(file_id, tenant, purpose, filename[:512], len(data), int(time.time()),
+                   -(-len(data) // CHUNK_BYTES)).pack()
         offsets = []
         for n, start in enumerate(range(0, len(data), CHUNK_BYTES)):
             sent = await self.producer.send_and_wait(FILES_TOPIC, data[start:start + CHUNK_BYTES],
@@ -321,35 +325,53 @@ class BatchStore:
         return meta
 
     async def read_file(self, meta: FileObject) -> bytes:
-        """A file's content, chunk by chunk from the offsets the view holds."""
+        """A file's content, whole (a batch's input, to validate it)."""
+        return b"".join([chunk async for chunk in self.chunks(meta)])
+
+    def readable(self, meta: FileObject) -> bool:
+        """Every chunk of the file is known to the view."""
+        return all((meta.id, n) in self.view.chunks for n in range(meta.chunks))
+
+    async def chunks(self, meta: FileObject) -> AsyncIterator[bytes]:
+        """A file's content chunk by chunk (``CHUNK_BYTES``), from the offsets the view holds. The store's one
+        reader is taken for a chunk at a time: a download that is read slowly (or not at all) holds one
+        chunk, and holds nobody else up."""
         assert self._reader is not None, "the store is not started"
         tp = TopicPartition(FILES_TOPIC, 0)
-        out = io.BytesIO()
-        async with self._reading:
-            self._reader.assign([tp])
-            for n in range(meta.chunks):
-                offset = self.view.chunks.get((meta.id, n))
-                if offset is None:
-                    raise KeyError(f"{meta.id}: chunk {n} is missing")
+        offsets = [self.view.chunks.get((meta.id, n)) for n in range(meta.chunks)]
+        if None in offsets:
+            raise KeyError(f"{meta.id}: chunk {offsets.index(None)} is missing")
+        for n, offset in enumerate(offsets):
+            assert offset is not None
+            async with self._reading:
+                if self._reader.assignment() != {tp}:
+                    self._reader.assign([tp])
                 self._reader.seek(tp, offset)
                 record = await asyncio.wait_for(self._reader.getone(tp), 30.0)
-                if record.key != chunk_key(meta.id, n) or record.value is None:
-                    raise KeyError(f"{meta.id}: chunk {n} is not at offset {offset}")
-                out.write(record.value)
-        return out.getvalue()
+            if record.key != chunk_key(meta.id, n) or record.value is None:
+                raise KeyError(f"{meta.id}: chunk {n} is not at offset {offset}")
+            yield record.value
+
+    async def delete_file(self, meta: FileObject) -> None:
+        """Tombstones for the file and its chunks: compaction removes them from ``kinfer.files``."""
+        await self.producer.send_and_wait(FILES_TOPIC, None, key=file_key(meta.id))
+        for n in range(meta.chunks):
+            await self.producer.send_and_wait(FILES_TOPIC, None, key=chunk_key(meta.id, n))
+        self.view.files.pop(meta.id, None)
+        for n in range(meta.chunks):
+            self.view.chunks.pop((meta.id, n), None)
 
     async def put_batch(self, batch: BatchObject) -> BatchObject:
+        """Write ``batch`` joined with what the view knows of it (``producers.batchstate``: a stale write
+        never undoes a cancel or an end); returns what the view holds once it is acknowledged."""
+        batch = merge(self.view.batches.get(batch.id), batch)
         await self.producer.send_and_wait(BATCHES_TOPIC, batch.pack(), key=batch.id.encode())
-        self.view.batches[batch.id] = batch
-        return batch
+        held = self.view.batches[batch.id] = merge(self.view.batches.get(batch.id), batch)
+        return held
 
-
-def _newer(known: BatchObject | None, incoming: BatchObject) -> BatchObject:
-    """A state read from the topic never takes a terminal batch back to a running one (a late write of
-    an old owner, read after the new one's end state)."""
-    if known is not None and known.terminal and not incoming.terminal:
-        return known
-    return incoming
+    async def cancel(self, batch: BatchObject) -> BatchObject:
+        """Ask ``batch`` to cancel: recorded at once, kept by every later write (the runner stops it)."""
+        return await self.put_batch(cancelled(batch, int(time.time())))
 
 
 # -- the runner -------------------------------------------------------------------------------------
@@ -466,9 +488,7 @@ class BatchRunner:
                 sends = []
         await asyncio.gather(*sends)
         counts = RequestCounts(total=len(lines))
-        now = self._state(batch.id)  # a cancel may have come meanwhile: it stands
-        status = "cancelling" if now.status == "cancelling" else "in_progress"
-        return await self.store.put_batch(replace(now, status=status, published=True,
+        return await self.store.put_batch(replace(self._state(batch.id), status="in_progress", published=True,
                                                   in_progress_at=int(time.time()), request_counts=counts))
 
     async def _reply_topic(self, batch_id: str) -> list[TopicPartition]:
@@ -479,10 +499,10 @@ class BatchRunner:
 
     async def _collect(self, batch_id: str, lines: list[Line]) -> None:
         """The batch's results from the start of its reply topic, until each line has one (or the batch
-        is cancelled or its window has passed); then its output."""
-        batch = self._state(batch_id)
+        is cancelled or its window has passed); then its output. A line ends once: when its result comes,
+        it becomes its output or error line, and counts as completed or failed from then on."""
         by_id = {f"{batch_id}-{line.number}": line for line in lines}
-        results: dict[str, Result] = {}
+        ended: dict[str, tuple[bool, bytes]] = {}
         consumer = AIOKafkaConsumer(**kafka_options(self.store.bootstrap), enable_auto_commit=False,
                                     auto_offset_reset="earliest")
         await consumer.start()
@@ -491,26 +511,27 @@ class BatchRunner:
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             written = time.monotonic()
-            while len(results) < len(by_id):
+            while len(ended) < len(by_id):
                 batch = self._state(batch_id)
-                if batch.status == "cancelling" or time.time() > batch.expires_at:
-                    break
+                if batch.status != "in_progress" or time.time() > batch.expires_at:
+                    break  # cancelling (or past its window): what was answered is its output
                 for records in (await consumer.getmany(timeout_ms=500)).values():
                     for record in records:
-                        self._take(record.value, batch.reply_key, by_id, results)
+                        self._take(record.value, batch_id, batch.reply_key, by_id, ended)
                 if time.monotonic() - written >= PROGRESS_EVERY_S:
                     written = time.monotonic()
-                    ok = sum(1 for r in results.values() if r.status is Status.OK)
-                    counts = RequestCounts(len(by_id), ok, len(results) - ok)
-                    if counts != batch.request_counts:
-                        await self.store.put_batch(replace(batch, request_counts=counts))
+                    counts = request_counts_of(len(by_id), ended)
+                    if counts != self._state(batch_id).request_counts:
+                        await self.store.put_batch(replace(self._state(batch_id), request_counts=counts))
         finally:
             await consumer.stop()
-        await self._finish(self._state(batch_id), lines, results)
+        await self._finish(batch_id, lines, ended)
 
     @staticmethod
-    def _take(value: bytes | None, key: bytes, by_id: dict[str, Line], results: dict[str, Result]) -> None:
-        """One record of the reply topic: the results in it that are this batch's, sealed with its key."""
+    def _take(value: bytes | None, batch_id: str, key: bytes, by_id: dict[str, Line],
+              ended: dict[str, tuple[bool, bytes]]) -> None:
+        """One record of the reply topic: the results in it that are this batch's, sealed with its key, each
+        line's first one made its output line (ok or not)."""
         if value is None:
             return
         try:
@@ -521,23 +542,17 @@ class BatchRunner:
             log.exception("a record of a batch's reply topic could not be read")
             return
         for reply in opened.replies:
-            if isinstance(reply, Result) and reply.id in by_id and reply.id not in results:
-                results[reply.id] = reply
+            if isinstance(reply, Result) and reply.id in by_id and reply.id not in ended:
+                ended[reply.id] = output_line(batch_id, by_id[reply.id], reply)
 
-    async def _finish(self, batch: BatchObject, lines: list[Line], results: dict[str, Result]) -> None:
-        now = int(time.time())
-        status = "cancelled" if batch.status == "cancelling" else "expired" if len(results) < len(lines) \
-            else "completed"
-        batch = await self.store.put_batch(replace(batch, status="finalizing", finalizing_at=now))
+    async def _finish(self, batch_id: str, lines: list[Line], ended: dict[str, tuple[bool, bytes]]) -> None:
+        batch = await self.store.put_batch(replace(self._state(batch_id), status="finalizing",
+                                                   finalizing_at=int(time.time())))
         output, errors = io.BytesIO(), io.BytesIO()
-        ok_count = 0
         for line in lines:
-            result = results.get(f"{batch.id}-{line.number}")
-            if result is None:
-                continue
-            ok, text = output_line(batch.id, line, result)
-            (output if ok else errors).write(text)
-            ok_count += ok
+            done = ended.get(f"{batch.id}-{line.number}")
+            if done is not None:
+                (output if done[0] else errors).write(done[1])
         out_meta = err_meta = None
         if output.tell():
             out_meta = await self.store.put_file(batch.tenant, "batch_output", f"{batch.id}_output.jsonl",
@@ -545,9 +560,17 @@ class BatchRunner:
         if errors.tell():
             err_meta = await self.store.put_file(batch.tenant, "batch_output", f"{batch.id}_error.jsonl",
                                                  errors.getvalue())
-        ended: dict[str, Any] = {f"{status}_at": int(time.time())}
-        counts = RequestCounts(len(lines), ok_count, len(results) - ok_count)
-        await self.store.put_batch(replace(batch, status=status, request_counts=counts, **ended,
+        batch = self._state(batch_id)  # a cancel that came meanwhile decides how it ends
+        status = ending(batch, len(ended), len(lines))
+        counts = request_counts_of(len(lines), ended)
+        await self.store.put_batch(replace(batch, status=status, request_counts=counts,
+                                           **{f"{status}_at": int(time.time())},
                                            output_file_id=out_meta.id if out_meta else None,
                                            error_file_id=err_meta.id if err_meta else None))
         await delete_topics(self.store.bootstrap, [batch_reply_topic(batch.id)])  # else its retention removes it
+
+
+def request_counts_of(total: int, ended: dict[str, tuple[bool, bytes]]) -> RequestCounts:
+    """A batch's counts: ``total`` lines, of which ``ended`` (by id: answered ok or not) have ended."""
+    ok = sum(1 for good, _ in ended.values() if good)
+    return RequestCounts(total, ok, len(ended) - ok)

@@ -46,7 +46,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
@@ -101,6 +101,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
                                                  responses={400: "not a batch file", 413: "over 64 MiB"})),
         ("GET", "/v1/files", batch.list_files, Doc("the caller's files")),
         ("GET", "/v1/files/{file_id}", batch.get_file, Doc("one file", responses={404: "no such file"})),
+        ("DELETE", "/v1/files/{file_id}", batch.delete_file, Doc("delete a file", responses={404: "no such file"})),
         ("GET", "/v1/files/{file_id}/content", batch.content,
          Doc("a file's bytes (a batch's output or error file)", responses={404: "no such file"})),
         ("POST", "/v1/batches", batch.create, Doc("start a batch", CreateBatchBody, {400: "invalid"})),
@@ -137,7 +138,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         KinferError: _kinfer_error, BadBody: _bad_body, Unauthorized: _unauthorized, HTTPException: _http_error,
-        Exception: _internal,
+        ClientDisconnect: _client_gone, Exception: _internal,
     })
 
 
@@ -188,6 +189,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _unauthorized(request: Request, exc: Exception) -> Response:
     return json_response(error_body("unauthorized", "missing or unknown API key"), 401,
                          {"WWW-Authenticate": "Bearer"})
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The caller hung up before its request was read whole: its doing, not an error of the gateway (counted
+    as 499, nginx's "client closed request", one line at debug). Nobody reads the answer."""
+    metrics.GATEWAY_ERRORS.labels("499", "ClientDisconnect").inc()
+    log.debug("%s %s: the client hung up mid-request", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 async def _internal(request: Request, exc: Exception) -> Response:

@@ -20,7 +20,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kinfer.producers.metrics import GATEWAY_ERRORS
+
 HEADER_TIMEOUT_S = 10.0  # a connection must send each request's headers within this
+MAX_HEADER_BYTES = 64 * 1024  # a request line and headers, together: past it, 431 and the connection closed
+BODY_IDLE_S = 10.0  # a body that sends nothing for this long is given up (408)
+BODY_MIN_RATE = 64 * 1024  # bytes/s a body must average after its first BODY_IDLE_S seconds
 MAX_BODY_BYTES = 2 * 1_048_576  # a request record is at most 1,000,000 bytes packed; JSON may be about twice that
 MAX_FRAME_BYTES = MAX_BODY_BYTES  # one WebSocket message (uvicorn's ws_max_size; its default is 16 MiB)
 _FIELD = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
@@ -63,17 +68,29 @@ def ascii_int(raw: str, low: int, high: int) -> int | None:
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, whole, at most ``limit`` bytes (413 past it), read in time: nothing for ``BODY_IDLE_S``, or
+    less than ``BODY_MIN_RATE`` on average after that, and it is given up (408): a caller that stops
+    half-way holds what it sent for seconds, not for ever."""
     length = request.headers.get("content-length")
     if length is not None and ascii_int(length, 0, limit) is None:
         if length.isascii() and length.isdigit():
             raise BadBody(f"the body is over {limit} bytes", status=413)
         raise BadBody("Content-Length is not a number of bytes", "Content-Length")
     data = bytearray()
-    async for piece in request.stream():
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    pieces = request.stream().__aiter__()
+    while True:
+        due = max(BODY_IDLE_S, len(data) / BODY_MIN_RATE) - (loop.time() - started)
+        try:
+            piece = await asyncio.wait_for(pieces.__anext__(), max(0.0, min(BODY_IDLE_S, due)))
+        except StopAsyncIteration:
+            return bytes(data)
+        except TimeoutError:
+            raise BadBody(f"the body came too slowly (after {len(data)} bytes)", status=408) from None
         data += piece
         if len(data) > limit:
             raise BadBody(f"the body is over {limit} bytes", status=413)
-    return bytes(data)
 
 
 def decode(data: bytes | str, kind: type[T]) -> T:
@@ -175,11 +192,22 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S) -> type[HttpToo
     but not one that opens and says nothing, or sends its headers a byte at a time: a thousand of
     those hold a thousand sockets for ever. Here the headers of every request (the first, and each
     one after a response) must be complete within ``header_timeout_s``, or the connection is closed.
-    A request that is being served has no deadline here (its own deadline governs it).
+    A request that is being served has no deadline here (its own deadline governs it). The headers are
+    bounded in size too: past ``MAX_HEADER_BYTES`` without their end, 431 and the connection is closed,
+    so an unauthenticated caller cannot make the gateway hold a 16 MiB header to answer it 401.
     """
 
     class HeaderDeadline(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0  # read since the request began, its headers not complete yet
+
+        def data_received(self, data: bytes) -> None:
+            waiting = self._header_timer is not None
+            super().data_received(data)
+            if waiting and self._header_timer is not None:  # still no end of the headers
+                self._header_bytes += len(data)
+                if self._header_bytes > MAX_HEADER_BYTES:
+                    self._refuse_headers()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -200,7 +228,19 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S) -> type[HttpToo
 
         def _arm(self) -> None:
             self._disarm()
+            self._header_bytes = 0
             self._header_timer = self.loop.call_later(header_timeout_s, self._expire)
+
+        def _refuse_headers(self) -> None:
+            """Headers past ``MAX_HEADER_BYTES``: 431 and the connection closed (nothing more of it is read)."""
+            self._disarm()
+            GATEWAY_ERRORS.labels("431", "HeadersTooLarge").inc()
+            body = _ENCODER.encode(error_body("invalid", f"the request's headers are over {MAX_HEADER_BYTES} bytes"))
+            if not self.transport.is_closing():
+                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
+                                     b"\r\nconnection: close\r\ncontent-length: " + str(len(body)).encode()
+                                     + b"\r\n\r\n" + body)
+                self.transport.close()
 
         def _disarm(self) -> None:
             if self._header_timer is not None:

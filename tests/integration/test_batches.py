@@ -11,6 +11,7 @@ the start of its reply topic, and writes the output file. Assertions are by coun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kinfer.consumers.runners.registry import minilm_path
 from kinfer.ops.localstack.procs import spawn, stop_process, wait_until_served
@@ -32,6 +34,7 @@ from tests.integration.conftest import WorkerProcess
 pytestmark = pytest.mark.integration
 
 KEY, OTHER_KEY = "batch-key-" + os.urandom(8).hex(), "other-key-" + os.urandom(8).hex()
+SLOW_KEY = "slow-key-" + os.urandom(8).hex()
 LINES = 120
 
 
@@ -40,6 +43,7 @@ def tenants_file(tmp_path: Path) -> Path:
     path.write_text(json.dumps({"tenants": [
         {"name": "batcher", "key_sha256": hash_key(KEY), "rate_per_s": 100, "burst": 100, "max_priority": 1},
         {"name": "other", "key_sha256": hash_key(OTHER_KEY), "rate_per_s": 100, "burst": 100, "max_priority": 1},
+        {"name": "slow", "key_sha256": hash_key(SLOW_KEY), "rate_per_s": 1, "burst": 3, "max_priority": 1},
     ]}))
     return path
 
@@ -226,3 +230,146 @@ async def test_two_gateways_serve_one_batch_and_either_may_cancel_it(
     finally:
         for proc, _ in gateways:
             stop_process(proc)
+
+
+def multipart(filename: bytes, data: bytes) -> tuple[bytes, str]:
+    """A batch upload form with ``filename`` as raw bytes, and its Content-Type (``charset=utf-7``: the
+    gateway decodes the names of the form with it)."""
+    body = (b"--B\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"" + filename + b"\"\r\n"
+            b"Content-Type: application/jsonl\r\n\r\n" + data + b"\r\n--B--\r\n")
+    return body, "multipart/form-data; boundary=B; charset=utf-7"
+
+
+def gateway_errors(base: str) -> dict[tuple[str, str], float]:
+    text = httpx.get(base.removesuffix("/v1") + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kinfer_gateway_errors_total":
+                out[sample.labels["status"], sample.labels["type"]] = sample.value
+    return out
+
+
+async def test_the_files_api_answers_a_hostile_caller_without_telling_it_anything(
+    stack: StackInfo, tmp_path: Path
+) -> None:
+    """No key: the same 401 for an id that exists and one that does not. Every route takes from the
+    caller's rate. A filename that decodes to a lone surrogate is stored cleaned. Files are listed a page
+    at a time. Headers over their bound are refused before their end. A caller that hangs up mid-upload
+    is not a server error."""
+    proc, url = start_gateway(stack, tenants_file(tmp_path), tmp_path / "gateway.log")
+    try:
+        await until_up(url, proc, tmp_path / "gateway.log")
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            mine = {"Authorization": f"Bearer {KEY}"}
+            body, kind = multipart(b"+2AA-in.jsonl", b'{"x": 1}')  # utf-7 for a lone surrogate, then "in.jsonl"
+            uploaded = await http.post("/files", content=body, headers={**mine, "Content-Type": kind})
+            assert uploaded.status_code == 200, uploaded.text
+            file_id = uploaded.json()["id"]
+            assert uploaded.json()["filename"] == "?in.jsonl"
+
+            unknown = "file-" + "0" * 24
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "wrong"}):
+                answers = [await http.get(path, headers=headers) for path in (
+                    f"/files/{file_id}", f"/files/{unknown}", f"/files/{file_id}/content", f"/files/{unknown}/content",
+                    f"/batches/batch_{'0' * 24}", "/files", "/batches")]
+                assert {(a.status_code, a.text) for a in answers} == {(401, answers[0].text)}
+
+            slow = {"Authorization": f"Bearer {SLOW_KEY}"}
+            statuses = [(await http.get(f"/files/{unknown}", headers=slow)).status_code for _ in range(10)]
+            assert statuses[:3] == [404] * 3 and 429 in statuses  # lookups spend the rate like uploads
+
+            mine_ids = {file_id}
+            for i in range(3):
+                body, kind = multipart(f"page-{i}.jsonl".encode(), b'{"x": 1}')
+                page_file = await http.post("/files", content=body, headers={**mine, "Content-Type": kind})
+                mine_ids.add(page_file.json()["id"])
+            listed: list[str] = []  # the tenant's other tests' files too: the stack is the module's
+            params: dict[str, str | int] = {"limit": 2}
+            for _ in range(100):
+                page = (await http.get("/files", params=params, headers=mine)).json()
+                assert len(page["data"]) <= 2
+                listed += [f["id"] for f in page["data"]]
+                if not page["has_more"]:
+                    break
+                params = {"limit": 2, "after": page["last_id"]}
+            assert len(listed) == len(set(listed)) and mine_ids <= set(listed) and not page["has_more"]
+
+        host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))  # a header of 1 MiB that never ends
+        writer.write(b"GET /v1/files HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_048_576)
+        answer = b""
+        with contextlib.suppress(ConnectionError):  # the gateway may close before it has read what was sent
+            await writer.drain()
+            answer = await reader.read()
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        writer.close()
+        assert (await asyncio.to_thread(gateway_errors, url)).get(("431", "HeadersTooLarge")) == 1
+
+        _, writer = await asyncio.open_connection(host, int(port))
+        body, kind = multipart(b"gone.jsonl", b"x" * 100_000)
+        writer.write(f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:5_000])
+        await writer.drain()
+        writer.close()  # hung up mid-body
+        for _ in range(100):
+            errors = await asyncio.to_thread(gateway_errors, url)
+            if errors.get(("499", "ClientDisconnect")):
+                break
+            await asyncio.sleep(0.1)
+        assert errors.get(("499", "ClientDisconnect")) == 1 and not any(s == "500" for s, _ in errors), errors
+        assert "unexpected error" not in (tmp_path / "gateway.log").read_text()
+    finally:
+        stop_process(proc)
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def test_unread_downloads_hold_a_chunk_each_and_a_tenant_at_most_four(stack: StackInfo, tmp_path: Path) -> None:
+    """A download is streamed a chunk at a time as it is read: four that are never read grow the gateway by
+    a few chunks, not by four files; a fifth of the same tenant is refused (429); deleting a file removes it."""
+    proc, url = start_gateway(stack, tenants_file(tmp_path), tmp_path / "gateway.log")
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        await until_up(url, proc, tmp_path / "gateway.log")
+        size = 24 * 1_048_576
+        async with openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0) as oai:
+            uploaded = await oai.files.create(file=("big.jsonl", b"x" * size), purpose="batch")
+        host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+        before = rss_kib(proc.pid)
+        request = (f"GET /v1/files/{uploaded.id}/content HTTP/1.1\r\nHost: x\r\n"
+                   f"Authorization: Bearer {KEY}\r\n\r\n").encode()
+        for _ in range(4):  # asked for, and never read
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(request)
+            await writer.drain()
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            writers.append(writer)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            mine = {"Authorization": f"Bearer {KEY}"}
+            fifth = await http.get(f"/files/{uploaded.id}/content", headers=mine)
+            assert fifth.status_code == 429, fifth.text
+            grown_mib = (rss_kib(proc.pid) - before) / 1024
+            assert grown_mib < size / 1_048_576, grown_mib  # less than one whole file for the four of them
+            for writer in writers:
+                writer.close()
+            writers = []
+            for _ in range(100):  # their transfers end as the gateway finds the connections gone
+                whole = await http.get(f"/files/{uploaded.id}/content", headers=mine)
+                if whole.status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
+            assert whole.status_code == 200 and len(whole.content) == size
+            deleted = await http.delete(f"/files/{uploaded.id}", headers=mine)
+            assert deleted.json() == {"id": uploaded.id, "object": "file", "deleted": True}
+            assert (await http.get(f"/files/{uploaded.id}", headers=mine)).status_code == 404
+    finally:
+        for writer in writers:
+            writer.close()
+        stop_process(proc)

@@ -12,9 +12,17 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kinfer.producers.batches import BatchRunner, BatchStore, LineRefused, output_line, parse_file, parse_line
-from kinfer.topics import Result, Status
-from kinfer.topics.batches import BATCHES_TOPIC, FILES_TOPIC, MAX_BATCH_LINES, BatchObject
+from kinfer.producers.batches import (
+    BatchRunner,
+    BatchStore,
+    LineRefused,
+    output_line,
+    parse_file,
+    parse_line,
+    request_counts_of,
+)
+from kinfer.topics import ReplyBatch, Result, Status, seal
+from kinfer.topics.batches import BATCHES_TOPIC, FILES_TOPIC, MAX_BATCH_LINES, BatchObject, RequestCounts
 
 EMB = "/v1/embeddings"
 
@@ -123,9 +131,27 @@ def test_the_stores_view_takes_any_single_record_and_goes_on(topic: str, key: by
 @given(value=record_values)
 def test_a_batch_collects_only_results_sealed_with_its_key_whatever_its_reply_topic_holds(value: bytes | None) -> None:
     line = parse_line(EMB, line_of("x"), 1)
-    results: dict[str, Result] = {}
-    BatchRunner._take(value, b"k" * 16, {"b-1": line}, results)
-    assert results == {}  # nothing but a reply sealed with the batch's own key is ever taken
+    ended: dict[str, tuple[bool, bytes]] = {}
+    BatchRunner._take(value, "b", b"k" * 16, {"b-1": line}, ended)
+    assert ended == {}  # nothing but a reply sealed with the batch's own key is ever taken
+
+
+def test_a_line_ends_once_as_what_its_output_line_says() -> None:
+    """A line counts when its result comes, as the output file will have it: an ``ok`` result whose answer
+    cannot be given in the endpoint's shape is a failed line from the start, not a completed one that
+    turns failed at the end."""
+    line = parse_line(EMB, line_of("x"), 1)
+    ended: dict[str, tuple[bool, bytes]] = {}
+    shapeless = Result("b-1", "minilm", Status.OK, outputs=["not a vector"])
+    BatchRunner._take(seal(ReplyBatch([shapeless, result_ok("b-1")]), b"k" * 16), "b", b"k" * 16, {"b-1": line},
+                      ended)
+    ok, text = ended["b-1"]
+    assert not ok and json.loads(text)["response"]["status_code"] == 400  # the first result is the line's
+    assert request_counts_of(1, ended) == RequestCounts(1, 0, 1)
+
+
+def result_ok(rid: str) -> Result:
+    return Result(rid, "minilm", Status.OK, outputs=[[0.5, 0.5]])
 
 
 def line_of(custom_id: str) -> bytes:

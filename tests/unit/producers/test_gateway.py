@@ -8,6 +8,7 @@ and random bytes. Whatever a generation body that passes says, the workers' samp
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from kinfer.consumers.runners import sampling
 from kinfer.consumers.runners.sampling import Sampling
-from kinfer.producers import openai_api
+from kinfer.producers import http, openai_api
 from kinfer.producers.http import MAX_BODY_BYTES, BadBody, ascii_int, decode
 from kinfer.producers.native_api import InferBody, StreamBody, WsMessage
 from kinfer.producers.openai_api import ChatCompletionsBody, CompletionsBody, EmbeddingsBody, openai_decode
@@ -210,3 +211,23 @@ def test_a_websocket_request_that_hits_a_bug_is_answered_500_and_the_socket_stay
             ws.send_text(f'{{"id": "{rid}", "inputs": ["x"]}}')
             answer = ws.receive_json()
             assert answer["id"] == rid and answer["code"] == 500, answer
+
+
+class _Trickle:
+    """A request whose body sends ``pieces`` and then nothing more."""
+
+    def __init__(self, pieces: list[bytes], length: int) -> None:
+        self.headers = {"content-length": str(length)}
+        self._pieces = pieces
+
+    async def stream(self) -> Any:
+        for piece in self._pieces:
+            yield piece
+        await asyncio.Event().wait()  # the caller went quiet, its connection open
+
+
+async def test_a_body_that_stops_half_way_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http, "BODY_IDLE_S", 0.05)
+    with pytest.raises(BadBody) as refused:
+        await http.read_body(_Trickle([b"x" * 1000, b"y" * 1000], 60_000), 100_000)  # type: ignore[arg-type]
+    assert refused.value.status == 408 and "2000 bytes" in str(refused.value)
