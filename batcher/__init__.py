@@ -5,6 +5,7 @@
 - ``ServiceTimeModel``: online estimate of a batch's compute time.
 - ``DeficitRoundRobin``: fair sharing of one executor between co-located models.
 - ``ContinuousScheduler``: iteration-level scheduling for generation (join and leave per step).
+- ``BackgroundShare``: the Batch API's lines in flight per model, about a second of work, shared by tenant.
 """
 
 from kinfer.batcher.codel import CoDel
@@ -12,8 +13,10 @@ from kinfer.batcher.continuous import ContinuousScheduler, Finish, GenPolicy, Se
 from kinfer.batcher.dynamic import Batch, BatchPolicy, BusyShare, Dropped, DynamicBatcher, Pending, Reason
 from kinfer.batcher.fair import DeficitRoundRobin
 from kinfer.batcher.service import ServicePrior, ServiceTimeModel
+from kinfer.batcher.share import BackgroundShare
 
 __all__ = [
+    "BackgroundShare",
     "Batch",
     "BatchPolicy",
     "BusyShare",

@@ -22,18 +22,17 @@ import os
 import time
 import unicodedata
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Annotated, TypeVar
 
 import msgspec
-from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kinfer.producers.batches import BatchStore, new_id
+from kinfer.producers.batches import BatchStore, FileTooLarge, new_id
+from kinfer.producers.forms import FormRefused, StreamedForm
 from kinfer.producers.gateway_pipeline import Gateway, RateLimited
-from kinfer.producers.http import BadBody, ascii_int, error_body, json_response, read_body
+from kinfer.producers.http import BadBody, ascii_int, body_pieces, error_body, json_response, read_body
 from kinfer.producers.openai_api import openai_decode
 from kinfer.topics import InvalidRequest, Unavailable
 from kinfer.topics.batches import (
@@ -67,6 +66,13 @@ def _not_found(kind: str, what: str) -> Response:
     return json_response(error_body("not_found", f"no {kind} {what[:80]!r}", "id"), 404)
 
 
+def _check_purpose(fields: Mapping[str, str], final: bool) -> None:
+    """The form's ``purpose``: ``batch`` (once the form has ended, it must be there)."""
+    purpose = fields.get("purpose")
+    if (purpose is not None or final) and purpose != "batch":
+        raise InvalidRequest(f"purpose must be 'batch', got {str(purpose)[:32]!r}", "purpose")
+
+
 def clean_filename(name: str | None) -> str:
     """A multipart filename as it is stored: valid UTF-8 (a lone surrogate, which a ``charset`` such as
     utf-7 can decode to, becomes "?"), no control characters, at most ``MAX_FILENAME_BYTES`` bytes (cut
@@ -90,10 +96,6 @@ def _page(request: Request, items: list[T], most: int, default: int) -> dict[str
     return {"object": "list", "data": [item.to_openai() for item in page],
             "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
             "has_more": len(items) > limit}
-
-
-async def _once(data: bytes) -> AsyncGenerator[bytes, None]:
-    yield data
 
 
 class BatchAPI:
@@ -166,22 +168,37 @@ class BatchAPI:
 
     @staticmethod
     async def _store_upload(request: Request, store: BatchStore, tenant: str) -> FileObject:
-        data = await read_body(request, MAX_FILE_BYTES + 65_536)
+        """The form read as it arrives, its file passed on to Kafka a chunk at a time (``FileWriter``): the
+        gateway holds about a chunk of it, not the file. A ``purpose`` that comes before the file (as
+        clients send it) is checked before anything is written; whatever makes the upload fail later
+        (a bad form, a file over its bound, a caller that hangs up or stalls) discards what was
+        written. The file exists, for every gateway, only once its record is written, last."""
         try:
-            form = await MultiPartParser(request.headers, _once(data), max_files=1, max_fields=8).parse()
-        except MultiPartException as exc:
+            form = StreamedForm(request.headers.get("content-type", ""))
+        except FormRefused as exc:
+            raise InvalidRequest(f"the upload must be a multipart/form-data form (purpose, file): {exc}",
+                                 "file") from None
+        writer = store.writer(tenant, "batch")
+        try:
+            async for piece in body_pieces(request, MAX_FILE_BYTES + 65_536):
+                data = form.feed(piece)
+                _check_purpose(form.fields, final=False)
+                for part in data:
+                    await writer.write(part)
+            form.finish()
+            _check_purpose(form.fields, final=True)
+            if form.filename is None:
+                raise InvalidRequest("the form has no file", "file")
+            return await writer.finish(clean_filename(form.filename))
+        except FormRefused as exc:
+            await writer.discard()
             raise InvalidRequest(f"not a multipart form: {exc}", "file") from None
-        except Exception as exc:  # the parser's own errors on a malformed form: still the caller's
-            raise InvalidRequest(f"not a multipart form ({type(exc).__name__})", "file") from None
-        purpose, upload = form.get("purpose"), form.get("file")
-        if purpose != "batch":
-            raise InvalidRequest(f"purpose must be 'batch', got {str(purpose)[:32]!r}", "purpose")
-        if not isinstance(upload, UploadFile):
-            raise InvalidRequest("the form has no file", "file")
-        content = await upload.read(MAX_FILE_BYTES + 1)
-        if len(content) > MAX_FILE_BYTES:
-            raise BadBody(f"the file is over {MAX_FILE_BYTES} bytes", "file", 413)
-        return await store.put_file(tenant, "batch", clean_filename(upload.filename), content)
+        except FileTooLarge as exc:
+            await writer.discard()
+            raise BadBody(str(exc), "file", 413) from None
+        except BaseException:
+            await writer.discard()
+            raise
 
     async def _file(self, request: Request) -> FileObject | None:
         tenant = await self._caller(request, "files")

@@ -9,18 +9,20 @@ gateways, the one that holds the single partition of ``kinfer.batches`` in the g
 each batch it does, in order, what the batch's state says is left:
 
     validating   read the input file, check every line (a file with a bad line fails the batch, as
-                 OpenAI's does), create the batch's reply topic, publish every line as a background
-                 request (p3, deadline = the end of the completion window, replies sealed with the
-                 batch's key), then record ``published`` and ``in_progress``
-    in_progress  read the reply topic from its start until every line has a terminal result, counting
-                 them into the state now and then; past the window, or asked to cancel, stop there
+                 OpenAI's does), create the batch's reply topic, then record ``in_progress``
+    in_progress  read the reply topic from its start; hand every line without a result to the runner's
+                 share of the background tier (``batcher.share``), which publishes lines as background
+                 requests (p3, deadline = the end of the completion window, replies sealed with the
+                 batch's key) a window at a time, fairly between tenants; count results into the state
+                 now and then until every line has one. Past the window, or asked to cancel, stop there:
+                 the lines not yet published never are
     finalizing   write the output file (ok lines) and the error file (the rest), record the end
                  state, delete the reply topic
 
-Every step can be done again: a new owner that finds ``validating`` publishes again (a request id
-answered twice is one line: the first result counts), and one that finds ``in_progress`` collects
-from the start of the reply topic. Lines are parsed by the OpenAI routes' own decoders, and answered
-in their shapes (``producers.openai_api``).
+Every step can be done again: a new owner that finds ``validating`` checks again, and one that finds
+``in_progress`` collects from the start of the reply topic and publishes again what has no result yet
+(a request id answered twice is one line: the first result counts). Lines are parsed by the OpenAI
+routes' own decoders, and answered in their shapes (``producers.openai_api``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from msgspec.structs import replace
 
+from kinfer.batcher.share import BackgroundShare
 from kinfer.producers.batchstate import cancelled, ending, merge
 from kinfer.producers.client import Client
 from kinfer.producers.http import MAX_BODY_BYTES
@@ -60,6 +63,7 @@ from kinfer.topics.batches import (
     COMPLETION_WINDOW_MS,
     FILES_TOPIC,
     MAX_BATCH_LINES,
+    MAX_FILE_BYTES,
     BatchError,
     BatchObject,
     FileObject,
@@ -76,6 +80,10 @@ from kinfer.topics.readers import Supervised
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 2.0  # how often a running batch's counts are written back
+# Chunks without a file record this old are an upload that never finished: a 64 MiB upload at the slowest
+# rate a body may come (64 KiB/s) takes 17 minutes.
+ORPHANS_AFTER_MS = 3_600_000
+SWEEP_EVERY_S = 600.0
 REPLY_PARTITIONS = 3  # of a batch's reply topic: what workers write to at once
 REPLY_CONFIGS = {"retention.ms": str(8 * 86_400_000)}  # past the window: deleted once the output is written
 # What an answer's status is over HTTP: the gateway's own mapping (invalid 400, model error 502, shed 503,
@@ -212,6 +220,7 @@ def output_line(batch_id: str, line: Line, result: Result) -> tuple[bool, bytes]
 class _View:
     files: dict[str, FileObject] = field(default_factory=dict)
     chunks: dict[tuple[str, int], int] = field(default_factory=dict)  # (file, n) → offset in kinfer.files
+    first_chunk_ms: dict[str, int] = field(default_factory=dict)  # file → when its first chunk was written
     batches: dict[str, BatchObject] = field(default_factory=dict)
 
 
@@ -264,7 +273,7 @@ class BatchStore:
                 data = await consumer.getmany(timeout_ms=500)
                 for tp, records in data.items():
                     for record in records:
-                        self._apply(tp.topic, record.key, record.value, record.offset)
+                        self._apply(tp.topic, record.key, record.value, record.offset, record.timestamp)
                 if not self.ready.is_set():
                     positions = [await consumer.position(tp) for tp in tps]
                     if all(p >= ends[tp] for p, tp in zip(positions, tps, strict=True)):
@@ -272,7 +281,7 @@ class BatchStore:
         finally:
             await consumer.stop()
 
-    def _apply(self, topic: str, key: bytes | None, value: bytes | None, offset: int) -> None:
+    def _apply(self, topic: str, key: bytes | None, value: bytes | None, offset: int, timestamp_ms: int = 0) -> None:
         if key is None:
             return
         text = key.decode("ascii", "replace")
@@ -290,6 +299,7 @@ class BatchStore:
                     self.view.chunks.pop((file_id, int(n)), None)
                 else:
                     self.view.chunks[(file_id, int(n))] = offset
+                    self.view.first_chunk_ms.setdefault(file_id, timestamp_ms)
             elif text.startswith("f:"):
                 if value is None:
                     self.view.files.pop(text[2:], None)
@@ -308,21 +318,17 @@ class BatchStore:
         return self._producer
 
     async def put_file(self, tenant: str, purpose: str, filename: str, data: bytes) -> FileObject:
-        file_id = new_id("file-")
-        # The record it ends with, packed first: a field out of its bounds fails here, before any chunk is written.
-        FileObject(file_id, tenant, purpose, filename[:512], len(data), int(time.time()),
-                   -(-len(data) // CHUNK_BYTES)).pack()
-        offsets = []
-        for n, start in enumerate(range(0, len(data), CHUNK_BYTES)):
-            sent = await self.producer.send_and_wait(FILES_TOPIC, data[start:start + CHUNK_BYTES],
-                                                     key=chunk_key(file_id, n))
-            offsets.append(sent.offset)
-        meta = FileObject(file_id, tenant, purpose, filename[:512], len(data), int(time.time()), len(offsets))
-        await self.producer.send_and_wait(FILES_TOPIC, meta.pack(), key=file_key(file_id))
-        for n, offset in enumerate(offsets):
-            self.view.chunks[(file_id, n)] = offset
-        self.view.files[file_id] = meta
-        return meta
+        writer = self.writer(tenant, purpose, limit=MAX_FILE_BYTES * 4)  # a batch's output may be larger
+        try:
+            await writer.write(data)
+            return await writer.finish(filename)
+        except BaseException:
+            await writer.discard()
+            raise
+
+    def writer(self, tenant: str, purpose: str, limit: int = MAX_FILE_BYTES) -> FileWriter:
+        """A new file of ``tenant``'s, written as its bytes come (``FileWriter``)."""
+        return FileWriter(self, tenant, purpose, limit)
 
     async def read_file(self, meta: FileObject) -> bytes:
         """A file's content, whole (a batch's input, to validate it)."""
@@ -352,6 +358,19 @@ class BatchStore:
                 raise KeyError(f"{meta.id}: chunk {n} is not at offset {offset}")
             yield record.value
 
+    async def sweep(self, now_ms: int, older_than_ms: int = ORPHANS_AFTER_MS) -> int:
+        """Tombstones for the chunks of files that never got their record (an upload whose gateway died
+        half-way), once their first chunk is older than any upload can take. Returns how many files."""
+        orphans = {f for (f, _) in self.view.chunks if f not in self.view.files
+                   and now_ms - self.view.first_chunk_ms.get(f, now_ms) > older_than_ms}
+        for file_id in orphans:
+            chunks = [n for (f, n) in self.view.chunks if f == file_id]
+            for n in chunks:
+                await self.producer.send_and_wait(FILES_TOPIC, None, key=chunk_key(file_id, n))
+                self.view.chunks.pop((file_id, n), None)
+            self.view.first_chunk_ms.pop(file_id, None)
+        return len(orphans)
+
     async def delete_file(self, meta: FileObject) -> None:
         """Tombstones for the file and its chunks: compaction removes them from ``kinfer.files``."""
         await self.producer.send_and_wait(FILES_TOPIC, None, key=file_key(meta.id))
@@ -374,6 +393,72 @@ class BatchStore:
         return await self.put_batch(cancelled(batch, int(time.time())))
 
 
+class FileTooLarge(ValueError):
+    """A file written past its writer's limit."""
+
+
+class FileWriter:
+    """One file written as its bytes come: a chunk to ``kinfer.files`` each time ``CHUNK_BYTES`` have come,
+    the file's record last (``finish``). Until then no reader knows the file; ``discard`` tombstones the
+    chunks written so far (an upload refused or cut off half-way), and compaction removes them. What a
+    writer holds in memory is less than a chunk and the last piece given."""
+
+    def __init__(self, store: BatchStore, tenant: str, purpose: str, limit: int) -> None:
+        self.store, self.tenant, self.purpose, self.limit = store, tenant, purpose, limit
+        self.id = new_id("file-")
+        self.size = 0
+        self._buffer = bytearray()
+        self._offsets: list[int] = []
+        self._done = False
+
+    async def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self.limit:
+            raise FileTooLarge(f"the file is over {self.limit} bytes")
+        self._buffer += data
+        while len(self._buffer) >= CHUNK_BYTES:
+            await self._send(CHUNK_BYTES)
+
+    async def finish(self, filename: str) -> FileObject:
+        """The rest of the file, then its record: from then on it exists, for every gateway."""
+        meta = FileObject(self.id, self.tenant, self.purpose, filename[:512], self.size, int(time.time()),
+                          -(-self.size // CHUNK_BYTES))
+        packed = meta.pack()  # a field out of its bounds fails here, before the record is written
+        if self._buffer:
+            await self._send(len(self._buffer))
+        await self.store.producer.send_and_wait(FILES_TOPIC, packed, key=file_key(self.id))
+        self._done = True
+        for n, offset in enumerate(self._offsets):
+            self.store.view.chunks[(self.id, n)] = offset
+        self.store.view.files[self.id] = meta
+        return meta
+
+    async def discard(self) -> None:
+        """Tombstones for every chunk written, and for the one that may have been in flight; shielded from
+        the caller's cancellation (a client that hangs up cancels its request's task)."""
+        if self._done:
+            return
+        self._done = True
+        count = len(self._offsets) + 1
+        sends = asyncio.ensure_future(asyncio.gather(*(
+            self.store.producer.send_and_wait(FILES_TOPIC, None, key=chunk_key(self.id, n)) for n in range(count))))
+        _DISCARDS.add(sends)
+        sends.add_done_callback(_DISCARDS.discard)
+        try:
+            await asyncio.shield(sends)
+        except Exception:
+            log.warning("file %s: the chunks of a discarded upload could not be tombstoned", self.id)
+
+    async def _send(self, size: int) -> None:
+        chunk = bytes(self._buffer[:size])
+        del self._buffer[:size]
+        sent = await self.store.producer.send_and_wait(FILES_TOPIC, chunk, key=chunk_key(self.id, len(self._offsets)))
+        self._offsets.append(sent.offset)
+
+
+_DISCARDS: set[asyncio.Future[Any]] = set()  # tombstones being written for discarded uploads (kept referenced)
+
+
 # -- the runner -------------------------------------------------------------------------------------
 
 
@@ -387,6 +472,8 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
         self._driving: dict[str, asyncio.Task[None]] = {}
         self.owner = False
+        self.share: BackgroundShare[Line] = BackgroundShare()  # what goes to the background tier next
+        self._wake = asyncio.Event()  # the share has changed: something may be published
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(Supervised("batch-runner", self._run).run(),
@@ -407,20 +494,29 @@ class BatchRunner:
         consumer = AIOKafkaConsumer(**kafka_options(self.store.bootstrap), group_id=BATCH_RUNNER_GROUP,
                                     enable_auto_commit=False, session_timeout_ms=self.session_timeout_ms,
                                     heartbeat_interval_ms=max(100, self.session_timeout_ms // 5))
+        pump = asyncio.get_running_loop().create_task(self._pump(), name="batch-pump")
         try:
             await consumer.start()
             consumer.subscribe([BATCHES_TOPIC])
             await self.store.ready.wait()
+            swept = time.monotonic() - SWEEP_EVERY_S  # first at once
             while True:
                 await consumer.getmany(timeout_ms=500)  # records come through the store's view
                 self.owner = bool(consumer.assignment())
                 if self.owner:
                     self._drive_all()
+                    if time.monotonic() - swept >= SWEEP_EVERY_S:
+                        swept = time.monotonic()
+                        if found := await self.store.sweep(now_ms()):
+                            log.info("tombstoned the chunks of %d uploads that never finished", found)
                 else:
                     self._stop_all()
         finally:
             self.owner = False
             self._stop_all()
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
             await consumer.stop()
 
     def _drive_all(self) -> None:
@@ -458,7 +554,10 @@ class BatchRunner:
                 if unknown:
                     await self._fail(batch, errors=unknown)
                     return
-                batch = await self._publish(batch, lines)
+                await self._reply_topic(batch.id)
+                await self.store.put_batch(replace(self._state(batch.id), status="in_progress", published=True,
+                                                   in_progress_at=int(time.time()),
+                                                   request_counts=RequestCounts(total=len(lines))))
             await self._collect(batch_id, lines)
         except asyncio.CancelledError:
             raise
@@ -471,25 +570,32 @@ class BatchRunner:
         errors = errors or [BatchError.of(code, message)]
         await self.store.put_batch(replace(batch, status="failed", failed_at=int(time.time()), errors=errors[:100]))
 
-    async def _publish(self, batch: BatchObject, lines: list[Line]) -> BatchObject:
-        """Every line as a background request (again, if a previous owner began), then ``in_progress``."""
-        await self._reply_topic(batch.id)
-        topic = batch_reply_topic(batch.id)
-        deadline = batch.created_at * 1000 + COMPLETION_WINDOW_MS
-        sends = []
-        for line in lines:
-            request = Request(id=f"{batch.id}-{line.number}", model=line.model, priority=Priority.P3,
-                              tenant=batch.tenant, created_ms=now_ms(), deadline_ms=deadline, inputs=line.inputs,
-                              reply=ReplyRoute.topic(topic), params=line.params, messages=line.messages,
-                              batch_reply=True, reply_key=batch.reply_key)
-            sends.append(self.client.submit(request))
-            if len(sends) >= 256:
-                await asyncio.gather(*sends)
-                sends = []
-        await asyncio.gather(*sends)
-        counts = RequestCounts(total=len(lines))
-        return await self.store.put_batch(replace(self._state(batch.id), status="in_progress", published=True,
-                                                  in_progress_at=int(time.time()), request_counts=counts))
+    async def _pump(self) -> None:
+        """Publishes what the share gives, whenever it changes (a batch's lines come, a line ends, a batch
+        leaves), and at least once a second, so a window follows its model's rate."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            self._wake.clear()
+            taken = self.share.take(time.monotonic())
+            for start in range(0, len(taken), 256):
+                await asyncio.gather(*(self._send(*line) for line in taken[start:start + 256]))
+
+    async def _send(self, batch_id: str, request_id: str, line: Line) -> None:
+        """One line of a batch as a background request; one that cannot be published goes back to the share."""
+        batch = self.store.view.batches.get(batch_id)
+        if batch is None or batch.status != "in_progress":
+            self.share.ended(batch_id, request_id, time.monotonic())  # its batch is leaving the share
+            return
+        request = Request(id=request_id, model=line.model, priority=Priority.P3, tenant=batch.tenant,
+                          created_ms=now_ms(), deadline_ms=batch.created_at * 1000 + COMPLETION_WINDOW_MS,
+                          inputs=line.inputs, reply=ReplyRoute.topic(batch_reply_topic(batch_id)),
+                          params=line.params, messages=line.messages, batch_reply=True, reply_key=batch.reply_key)
+        try:
+            await self.client.submit(request)
+        except Exception as exc:  # the broker (or a check): tried again when the share is next taken from
+            log.warning("batch %s: line %s not published (%s); it is tried again", batch_id, line.number, exc)
+            self.share.failed(batch_id, request_id, line, time.monotonic())
 
     async def _reply_topic(self, batch_id: str) -> list[TopicPartition]:
         """The batch's reply topic (created when missing: a new owner's first look), by partition."""
@@ -498,9 +604,11 @@ class BatchRunner:
         return [TopicPartition(topic, p) for p in range(counts[topic])]
 
     async def _collect(self, batch_id: str, lines: list[Line]) -> None:
-        """The batch's results from the start of its reply topic, until each line has one (or the batch
-        is cancelled or its window has passed); then its output. A line ends once: when its result comes,
-        it becomes its output or error line, and counts as completed or failed from then on."""
+        """The batch's results from the start of its reply topic; once read up to where it ended, every line
+        without one goes to the share, to be published. Then results until each line has one (or the batch
+        is cancelled or its window has passed): the batch leaves the share, and its output is written. A
+        line ends once: when its result comes, it becomes its output or error line, and counts as
+        completed or failed from then on."""
         by_id = {f"{batch_id}-{line.number}": line for line in lines}
         ended: dict[str, tuple[bool, bytes]] = {}
         consumer = AIOKafkaConsumer(**kafka_options(self.store.bootstrap), enable_auto_commit=False,
@@ -510,6 +618,17 @@ class BatchRunner:
             tps = await self._reply_topic(batch_id)
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
+            key = self._state(batch_id).reply_key
+            caught_up = await consumer.end_offsets(tps)  # what a previous owner's lines were answered
+            while [tp for tp in tps if await consumer.position(tp) < caught_up[tp]]:
+                for records in (await consumer.getmany(timeout_ms=500)).values():
+                    for record in records:
+                        self._take(record.value, batch_id, key, by_id, ended)
+            if self._state(batch_id).status == "in_progress":
+                self.share.add(batch_id, self._state(batch_id).tenant,
+                               ((rid, line.model, len(line.inputs), line) for rid, line in by_id.items()
+                                if rid not in ended))
+                self._wake.set()
             written = time.monotonic()
             while len(ended) < len(by_id):
                 batch = self._state(batch_id)
@@ -517,33 +636,42 @@ class BatchRunner:
                     break  # cancelling (or past its window): what was answered is its output
                 for records in (await consumer.getmany(timeout_ms=500)).values():
                     for record in records:
-                        self._take(record.value, batch_id, batch.reply_key, by_id, ended)
+                        for rid in self._take(record.value, batch_id, key, by_id, ended):
+                            self.share.ended(batch_id, rid, time.monotonic())
+                            self._wake.set()
                 if time.monotonic() - written >= PROGRESS_EVERY_S:
                     written = time.monotonic()
                     counts = request_counts_of(len(by_id), ended)
                     if counts != self._state(batch_id).request_counts:
                         await self.store.put_batch(replace(self._state(batch_id), request_counts=counts))
         finally:
+            dropped = self.share.withdraw(batch_id, time.monotonic())  # its unpublished lines never will be
+            self._wake.set()
+            if dropped:
+                log.info("batch %s: %d lines withdrawn before they were published", batch_id, dropped)
             await consumer.stop()
         await self._finish(batch_id, lines, ended)
 
     @staticmethod
     def _take(value: bytes | None, batch_id: str, key: bytes, by_id: dict[str, Line],
-              ended: dict[str, tuple[bool, bytes]]) -> None:
+              ended: dict[str, tuple[bool, bytes]]) -> list[str]:
         """One record of the reply topic: the results in it that are this batch's, sealed with its key, each
-        line's first one made its output line (ok or not)."""
+        line's first one made its output line (ok or not). Returns the ids of the lines it ended."""
         if value is None:
-            return
+            return []
         try:
             opened = decode_replies(value, key)
         except ReplyRefused:
-            return  # not sealed with the batch's key: not a worker's answer to this batch
+            return []  # not sealed with the batch's key: not a worker's answer to this batch
         except Exception:  # a defect of ours: this record is skipped, the collection goes on
             log.exception("a record of a batch's reply topic could not be read")
-            return
+            return []
+        new = []
         for reply in opened.replies:
             if isinstance(reply, Result) and reply.id in by_id and reply.id not in ended:
                 ended[reply.id] = output_line(batch_id, by_id[reply.id], reply)
+                new.append(reply.id)
+        return new
 
     async def _finish(self, batch_id: str, lines: list[Line], ended: dict[str, tuple[bool, bytes]]) -> None:
         batch = await self.store.put_batch(replace(self._state(batch_id), status="finalizing",

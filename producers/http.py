@@ -10,8 +10,10 @@ parsing it, so a deep or oversized document is refused without being built.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,6 +33,24 @@ MAX_FRAME_BYTES = MAX_BODY_BYTES  # one WebSocket message (uvicorn's ws_max_size
 _FIELD = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
 _ENCODER = msgspec.json.Encoder()
 T = TypeVar("T")
+
+
+def return_freed_buffers(threshold: int = 128 * 1024) -> bool:
+    """Make glibc give back to the system, when freed, every block of ``threshold`` bytes or more.
+
+    glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), so after the first
+    upload or download the chunk-sized buffers of the next come from the heap, which fragments and does
+    not shrink: stalled transfers then held 50 MiB of RSS that no transfer used. Setting the threshold
+    fixes it. False where the C library is not glibc (the call is glibc's), and nothing changes."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    m_mmap_threshold = -3
+    return bool(mallopt(m_mmap_threshold, threshold))
 
 
 class BadBody(Exception):
@@ -68,29 +88,38 @@ def ascii_int(raw: str, low: int, high: int) -> int | None:
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The body, whole, at most ``limit`` bytes (413 past it), read in time: nothing for ``BODY_IDLE_S``, or
-    less than ``BODY_MIN_RATE`` on average after that, and it is given up (408): a caller that stops
-    half-way holds what it sent for seconds, not for ever."""
+    """The body, whole, at most ``limit`` bytes, read in time (``body_pieces``)."""
+    data = bytearray()
+    async for piece in body_pieces(request, limit):
+        data += piece
+    return bytes(data)
+
+
+async def body_pieces(request: Request, limit: int = MAX_BODY_BYTES) -> AsyncIterator[bytes]:
+    """The body as it arrives, at most ``limit`` bytes (413 past it), read in time: nothing for
+    ``BODY_IDLE_S``, or less than ``BODY_MIN_RATE`` on average after that, and it is given up (408): a
+    caller that stops half-way holds what it sent for seconds, not for ever."""
     length = request.headers.get("content-length")
     if length is not None and ascii_int(length, 0, limit) is None:
         if length.isascii() and length.isdigit():
             raise BadBody(f"the body is over {limit} bytes", status=413)
         raise BadBody("Content-Length is not a number of bytes", "Content-Length")
-    data = bytearray()
+    size = 0
     loop = asyncio.get_running_loop()
     started = loop.time()
     pieces = request.stream().__aiter__()
     while True:
-        due = max(BODY_IDLE_S, len(data) / BODY_MIN_RATE) - (loop.time() - started)
+        due = max(BODY_IDLE_S, size / BODY_MIN_RATE) - (loop.time() - started)
         try:
             piece = await asyncio.wait_for(pieces.__anext__(), max(0.0, min(BODY_IDLE_S, due)))
         except StopAsyncIteration:
-            return bytes(data)
+            return
         except TimeoutError:
-            raise BadBody(f"the body came too slowly (after {len(data)} bytes)", status=408) from None
-        data += piece
-        if len(data) > limit:
+            raise BadBody(f"the body came too slowly (after {size} bytes)", status=408) from None
+        size += len(piece)
+        if size > limit:
             raise BadBody(f"the body is over {limit} bytes", status=413)
+        yield piece
 
 
 def decode(data: bytes | str, kind: type[T]) -> T:

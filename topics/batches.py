@@ -106,7 +106,7 @@ class BatchError(msgspec.Struct, frozen=True):
 
 class BatchObject(Record, frozen=True):
     """One batch's state: OpenAI's batch object, plus its owner, the reply key its results are sealed
-    with, and whether its requests are all published."""
+    with, and whether its lines were checked and handed to the runner (``published``)."""
 
     max_bytes = 262_144
 
@@ -119,7 +119,7 @@ class BatchObject(Record, frozen=True):
     status: Annotated[str, msgspec.Meta(pattern="^(" + "|".join(STATUSES) + r")\Z")]
     reply_key: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
     completion_window: Annotated[str, msgspec.Meta(pattern=r"^24h\Z")] = "24h"
-    published: bool = False  # every request is on the broker: a new owner only collects
+    published: bool = False  # its lines are checked and its reply topic is made: the runner paces them out
     request_counts: RequestCounts = RequestCounts()
     errors: Annotated[list[BatchError], msgspec.Meta(max_length=100)] = msgspec.field(default_factory=list)
     output_file_id: FileId | None = None

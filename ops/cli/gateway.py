@@ -47,13 +47,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kinfer.producers.gateway import GatewaySettings, create_app
-    from kinfer.producers.http import MAX_FRAME_BYTES, guarded_protocol
+    from kinfer.producers.http import MAX_FRAME_BYTES, guarded_protocol, return_freed_buffers
 
     bootstrap, redis_url = endpoints()
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
     if tenants is None:
         logging.getLogger(__name__).warning("no --tenants file: the gateway accepts every caller%s",
                                             "" if is_loopback(args.host) else f" on {args.host} (--allow-anonymous)")
+    return_freed_buffers()  # uploads and downloads pass 0.5 MiB chunks
     asyncio.run(_reachable(bootstrap, redis_url))  # a dead broker or Redis: one line now, not a traceback later
     app = create_app(GatewaySettings(bootstrap, redis_url, tenants))
     loop = os.environ.get("KINFER_GATEWAY_LOOP", "asyncio")

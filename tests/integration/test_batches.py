@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from kinfer.consumers.runners.registry import minilm_path
@@ -29,6 +30,7 @@ from kinfer.ops.localstack.procs import spawn, stop_process, wait_until_served
 from kinfer.ops.localstack.stack import StackInfo, free_port
 from kinfer.producers import Client
 from kinfer.producers.tenants import hash_key
+from kinfer.topics.batches import FILES_TOPIC
 from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -232,6 +234,66 @@ async def test_two_gateways_serve_one_batch_and_either_may_cancel_it(
             stop_process(proc)
 
 
+async def test_a_small_batch_is_not_held_behind_another_tenants_big_one(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
+    """One tenant's 10,000 lines are queued (a worker that does 160 lines/s would take a minute); another
+    tenant's 2-line batch ends while the worker does a few hundred of them at most, not all of them
+    (the lines go out a window of about a second at a time, by tenant in turn). Cancelled, the big batch's
+    unpublished lines are never computed."""
+    worker = spawn_worker(topics, "--family", "noop", "--option", "compute_ms=50", "--max-batch-size", "8")
+    async with Client(stack.bootstrap, stack.redis_url) as c:
+        await wait_until_served(c, topics)
+    proc, url = start_gateway(stack, tenants_file(tmp_path), tmp_path / "gateway.log")
+
+    def computed() -> float:
+        return worker.metric("kinfer_results_total", model=topics)
+
+    def batch_file(n: int) -> bytes:
+        return "\n".join(json.dumps({"custom_id": f"l-{i}", "method": "POST", "url": "/v1/embeddings",
+                                      "body": {"model": topics, "input": f"line {i}"}}) for i in range(n)).encode()
+    try:
+        await until_up(url, proc, tmp_path / "gateway.log")
+        async with openai.AsyncOpenAI(base_url=url, api_key=OTHER_KEY, max_retries=0) as other, \
+                openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0) as mine:
+            big_file = await other.files.create(file=("big.jsonl", batch_file(10_000)), purpose="batch")
+            big = await other.batches.create(input_file_id=big_file.id, endpoint="/v1/embeddings",
+                                             completion_window="24h")
+            for _ in range(600):
+                if await asyncio.to_thread(computed) >= 100:  # the big batch is flowing
+                    break
+                await asyncio.sleep(0.1)
+            small_file = await mine.files.create(file=("small.jsonl", batch_file(2)), purpose="batch")
+            before = await asyncio.to_thread(computed)
+            small = await mine.batches.create(input_file_id=small_file.id, endpoint="/v1/embeddings",
+                                              completion_window="24h")
+            done = await status_of(url, small.id, {"completed", "failed", "expired", "cancelled"})
+            meanwhile = await asyncio.to_thread(computed) - before
+            counts = done.request_counts
+            assert done.status == "completed" and counts is not None and counts.completed + counts.failed == 2, done
+            assert meanwhile < 2_000, meanwhile  # without turns: all 9,900 lines ahead of it
+
+            assert (await other.batches.cancel(big.id)).status in ("cancelling", "cancelled")
+            for _ in range(600):
+                ended = await other.batches.retrieve(big.id)
+                if ended.status == "cancelled":
+                    break
+                await asyncio.sleep(0.2)
+            assert ended.status == "cancelled", ended
+            settled = await asyncio.to_thread(computed)
+            for _ in range(30):  # what was in flight at the cancel, and nothing after it
+                await asyncio.sleep(0.2)
+                now = await asyncio.to_thread(computed)
+                if now == settled:
+                    break
+                settled = now
+            assert settled < 5_000, settled  # far from the 10,000: the rest were never published
+            log = (tmp_path / "gateway.log").read_text()
+            assert f"batch {big.id}: " in log and "lines withdrawn before they were published" in log
+    finally:
+        stop_process(proc)
+
+
 def multipart(filename: bytes, data: bytes) -> tuple[bytes, str]:
     """A batch upload form with ``filename`` as raw bytes, and its Content-Type (``charset=utf-7``: the
     gateway decodes the names of the form with it)."""
@@ -331,11 +393,32 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-async def test_unread_downloads_hold_a_chunk_each_and_a_tenant_at_most_four(stack: StackInfo, tmp_path: Path) -> None:
-    """A download is streamed a chunk at a time as it is read: four that are never read grow the gateway by
-    a few chunks, not by four files; a fifth of the same tenant is refused (429); deleting a file removes it."""
+async def files_topic(bootstrap: str) -> list[tuple[str, bool]]:
+    """``kinfer.files`` as written: each record's key, and whether it is a tombstone."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        tp = TopicPartition(FILES_TOPIC, 0)
+        consumer.assign([tp])
+        end = (await consumer.end_offsets([tp]))[tp]
+        out: list[tuple[str, bool]] = []
+        while await consumer.position(tp) < end:
+            for records in (await consumer.getmany(timeout_ms=1_000)).values():
+                out += [(r.key.decode(), r.value is None) for r in records if r.key is not None]
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def test_stalled_uploads_and_unread_downloads_hold_a_chunk_each(stack: StackInfo, tmp_path: Path) -> None:
+    """Four uploads that send 16 MiB of a declared 60 MiB and stop, and four downloads of a 24 MiB file
+    that are never read, grow the gateway by a few chunks each, not by what they carry: an upload goes
+    to Kafka a chunk at a time as it comes, a download comes from it a chunk at a time as it is read.
+    A fifth transfer of a tenant is refused (429). The stalled uploads are given up (408) and their
+    chunks tombstoned: no file ever appears for them. Deleting a file removes it."""
     proc, url = start_gateway(stack, tenants_file(tmp_path), tmp_path / "gateway.log")
-    writers: list[asyncio.StreamWriter] = []
+    uploads: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    downloads: list[asyncio.StreamWriter] = []
     try:
         await until_up(url, proc, tmp_path / "gateway.log")
         size = 24 * 1_048_576
@@ -350,26 +433,49 @@ async def test_unread_downloads_hold_a_chunk_each_and_a_tenant_at_most_four(stac
             writer.write(request)
             await writer.drain()
             assert (await reader.readline()).startswith(b"HTTP/1.1 200")
-            writers.append(writer)
+            downloads.append(writer)
+        head, kind = multipart(b"stalled.jsonl", b"")
+        head = head[:head.index(b"\r\n--B--")]  # the form up to the file's first byte
+        sent = 16 * 1_048_576
+        for _ in range(4):  # another tenant's: 16 MiB of a declared 60 MiB, then nothing
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {OTHER_KEY}\r\n"
+                         f"Content-Type: {kind}\r\nContent-Length: {60 * 1_048_576}\r\n\r\n".encode() + head)
+            for _ in range(sent // 65_536):
+                writer.write(b"y" * 65_536)
+                await writer.drain()
+            uploads.append((reader, writer))
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             mine = {"Authorization": f"Bearer {KEY}"}
             fifth = await http.get(f"/files/{uploaded.id}/content", headers=mine)
             assert fifth.status_code == 429, fifth.text
             grown_mib = (rss_kib(proc.pid) - before) / 1024
-            assert grown_mib < size / 1_048_576, grown_mib  # less than one whole file for the four of them
-            for writer in writers:
+            # Held whole, they would be 8 × 16 MiB at least; streamed, a few chunks of 0.5 MiB each.
+            assert grown_mib < 24, grown_mib
+            for reader, _ in uploads:  # each is given up: nothing for 10 s
+                answer = await asyncio.wait_for(reader.read(4096), 30)
+                assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+            for writer in downloads:
                 writer.close()
-            writers = []
+            downloads = []
             for _ in range(100):  # their transfers end as the gateway finds the connections gone
                 whole = await http.get(f"/files/{uploaded.id}/content", headers=mine)
                 if whole.status_code == 200:
                     break
                 await asyncio.sleep(0.1)
             assert whole.status_code == 200 and len(whole.content) == size
+            records = await files_topic(stack.bootstrap)
+            files = {key[2:] for key, gone in records if key.startswith("f:") and not gone}
+            live: dict[str, int] = {}
+            for key, gone in records:  # chunks of files without a record: each tombstoned after it came
+                if key.startswith("c:") and key[2:].rpartition(":")[0] not in files:
+                    live[key] = live.get(key, 0) + (-1 if gone else 1)
+            written = [k for k, n in live.items() if n > 0]
+            assert len(live) >= 4 * 31 and written == [], written[:5]  # 31 or 32 chunks each, all tombstoned
             deleted = await http.delete(f"/files/{uploaded.id}", headers=mine)
             assert deleted.json() == {"id": uploaded.id, "object": "file", "deleted": True}
             assert (await http.get(f"/files/{uploaded.id}", headers=mine)).status_code == 404
     finally:
-        for writer in writers:
+        for writer in [*downloads, *(w for _, w in uploads)]:
             writer.close()
         stop_process(proc)
