@@ -121,9 +121,71 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def _time_out(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
+class _Copies:
+    """One request's copies on their way to the broker, and its hedge timer.
+
+    The broker's answer to each copy and the hedge's moment come as callbacks, so the caller waits on
+    its reply alone. A copy refused when no other was taken and none is still out fails the request
+    (the waiter gets the refusal); a hedge due with nowhere better to go is looked for again twice as
+    long after."""
+
+    __slots__ = ("accepted", "hedge", "out", "put_off", "refusal", "sent", "tasks", "timer", "topic", "waiter")
+
+    def __init__(self, waiter: asyncio.Future[Result], topic: str, first: int | None, sent_at: float) -> None:
+        self.waiter, self.topic = waiter, topic
+        self.sent: list[tuple[int | None, float]] = [(first, sent_at)]  # where each copy went, and when
+        self.accepted = False  # the broker took a copy
+        self.out = 0  # copies the broker has not answered yet
+        self.refusal: BaseException | None = None
+        self.tasks: list[asyncio.Task[None]] = []  # the hedges' sends
+        self.timer: asyncio.TimerHandle | None = None
+        self.hedge: Callable[[], bool | None] | None = None
+        self.put_off = False  # a hedge was due with nowhere better to go (counted once a request)
+
+    def track(self, delivery: asyncio.Future[Any]) -> None:
+        """A copy the producer holds: its ``send`` future, or a hedge's send task."""
+        self.out += 1
+        if isinstance(delivery, asyncio.Task):
+            self.tasks.append(delivery)
+        delivery.add_done_callback(self._answered)
+
+    def _answered(self, delivery: asyncio.Future[Any]) -> None:
+        self.out -= 1
+        if delivery.cancelled():
+            return
+        error = delivery.exception()
+        if error is None:
+            self.accepted = True
+            return
+        if isinstance(error, KafkaError):
+            error = Unavailable(f"publishing to {self.topic} failed: {error}")
+        self.refusal = self.refusal or error
+        if not self.accepted and not self.out and not self.waiter.done():
+            self.waiter.set_exception(self.refusal)  # no copy reached the broker: its refusal is the answer
+
+    def hedging(self, loop: asyncio.AbstractEventLoop, delay: float, hedge: Callable[[], bool | None]) -> None:
+        """Call ``hedge`` if the reply has not come ``delay`` seconds after the last copy went."""
+        self.hedge = hedge
+        self._arm(loop, delay, delay)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, delay: float, wait: float) -> None:
+        self.timer = loop.call_at(loop.time() + wait, self._due, loop, delay, wait)
+
+    def _due(self, loop: asyncio.AbstractEventLoop, delay: float, wait: float) -> None:
+        self.timer = None
+        if self.waiter.done() or self.hedge is None:
+            return
+        sent = self.hedge()
+        if sent is None:
+            return
+        self._arm(loop, delay, wait * 2 if sent is False else delay)  # nowhere to go yet: look again, less often
+
+    def close(self) -> None:
+        """The caller is done: no more hedges, and the hedges' sends still out are abandoned."""
+        if self.timer is not None:
+            self.timer.cancel()
+        for task in self.tasks:
+            task.cancel()
 
 
 class Client:
@@ -315,14 +377,9 @@ class Client:
         model = request.model
         self._admit(request)
         waiter = self._replies.expect(request.id, self._asker(topic, data, request, headers))
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(loop.time() + max(0.0, self._remaining_s(request)), _time_out, waiter)
         try:
             result = await self._exchange(topic, data, request, headers, waiter)
         finally:
-            timer.cancel()
-            if waiter.done() and not waiter.cancelled():
-                waiter.exception()  # retrieved: a time-out that fired while publishing is not "never retrieved"
             self._replies.forget(request.id)
         refused = result.status in (Status.SHED, Status.EXPIRED)
         self._throttle(model).record(time.monotonic(), accepted=not refused)
@@ -503,85 +560,68 @@ class Client:
         and the partition it waited on becomes suspect unless it answered something meanwhile; so again,
         up to ``HedgePolicy.max_hedges`` copies. The first result wins; the others are dropped by id. A
         copy the broker refuses fails the call only when no copy was taken.
+
+        What this waits on is the reply alone: the broker's answers and the hedge timer are callbacks
+        (``_Copies``), so a request answered before its hedge delay costs one produce and one timer.
         """
         hedger = self._hedger
         partitions = self._partitions(topic)
-        sent_at = time.monotonic()
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
         first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
-        sends = {self._spawn_send(topic, data, request, headers, first)}
-        hedger.sent_one()
-        # Background work waits for idle capacity by design: a copy would only wait as well.
-        hedgeable = partitions and len(partitions) > 1 and not request.priority.background
-        delay = hedger.delay_s(request.model) if hedgeable else None
-        copies = [(first, sent_at)]  # where each copy went, and when
-        hedge_at = None if delay is None else sent_at + delay
-        wait, put_off = delay, False  # put off: a hedge was due with nowhere better to go
-        accepted = False
-        refusals: list[BaseException] = []
+        copies = _Copies(waiter, topic, first, sent_at)
         try:
-            while not waiter.done():
-                timeout = None if hedge_at is None else max(0.0, hedge_at - time.monotonic())
-                waiting: set[asyncio.Future[Any]] = {waiter, *sends}
-                done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                for task in [t for t in sends if t in done]:
-                    sends.discard(task)
-                    if (error := task.exception()) is None:
-                        accepted = True
-                    else:
-                        refusals.append(error)
-                if not done:  # unanswered at the hedge delay: its last copy's partition is suspect
-                    assert delay is not None and wait is not None and partitions
-                    sent = self._hedge(topic, data, request, headers, partitions, copies, sends)
-                    if sent is False:  # nowhere to go yet: look again, less often
-                        hedger.nowhere += not put_off  # once a request
-                        put_off, wait = True, wait * 2
-                    else:
-                        wait = delay
-                    hedge_at = None if sent is None else time.monotonic() + wait
-                if refusals and not sends and not accepted and not waiter.done():
-                    raise refusals[0]  # no copy reached the broker: its refusal is the answer
-            try:
-                result = waiter.result()
-            except TimeoutError as exc:
-                if not accepted:
-                    raise DeadlineExceeded(
-                        f"{request.model}/{request.id}: the broker did not take the request by its deadline",
-                        answered=False, accepted=False) from exc
-                raise DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline",
-                                       answered=False) from exc
+            async with asyncio.timeout(max(0.0, self._remaining_s(request))):  # the one timer of the request
+                copies.track(await self._enqueue(topic, data, request, headers, first))
+                hedger.sent_one()
+                # Background work waits for idle capacity by design: a copy would only wait as well.
+                hedgeable = partitions and len(partitions) > 1 and not request.priority.background
+                delay = hedger.delay_s(request.model) if hedgeable else None
+                if delay is not None:
+                    assert partitions is not None
+                    copies.hedging(loop, delay, lambda: self._hedge(topic, data, request, headers, partitions,
+                                                                    copies))
+                result = await waiter
+        except TimeoutError as exc:
+            if not copies.accepted:
+                raise DeadlineExceeded(
+                    f"{request.model}/{request.id}: the broker did not take the request by its deadline",
+                    answered=False, accepted=False) from exc
+            raise DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline",
+                                   answered=False) from exc
         finally:
-            for task in sends:
-                task.cancel()
-        now = time.monotonic()
-        if first is not None and len(copies) == 1:
+            copies.close()
+        now = loop.time()
+        if first is not None and len(copies.sent) == 1:
             hedger.board.answered(topic, first, now)
         if result.status is Status.OK and not request.priority.background:
             hedger.observe(request.model, now - sent_at)
         return result
 
     def _hedge(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-               partitions: list[int], copies: list[tuple[int | None, float]],
-               sends: set[asyncio.Task[None]]) -> bool | None:
+               partitions: list[int], copies: _Copies) -> bool | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
         one more copy where it can help and the budget pays. True: a copy was sent; False: every other
         partition is suspect too, and the caller looks again later, each time twice as long after (a
         partition that was only slow, a busy box's long batch, answers meanwhile and is trusted again; a
         whole topic that waits costs a few wake-ups a request); None: no more hedging for it."""
-        hedger, now = self._hedger, time.monotonic()
-        last, last_at = copies[-1]
+        hedger, now = self._hedger, asyncio.get_running_loop().time()
+        last, last_at = copies.sent[-1]
         assert last is not None
         hedger.board.hedged(topic, last, last_at, now)
-        if len(copies) > hedger.policy.max_hedges:
+        if len(copies.sent) > hedger.policy.max_hedges:
             return None
-        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies if p is not None])
+        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies.sent if p is not None])
         if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
+            hedger.nowhere += not copies.put_off  # once a request
+            copies.put_off = True
             return False
         if not hedger.budget.spend():
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None
         metrics.HEDGES.labels(request.model).inc()
-        sends.add(self._spawn_send(topic, data, request, headers, target))
-        copies.append((target, now))
+        copies.sent.append((target, now))
+        copies.track(self._spawn_send(topic, data, request, headers, target))
         return True
 
     def _asker(self, topic: str, data: bytes, request: Request,
@@ -608,6 +648,20 @@ class Client:
         """The topic's partitions that have a leader now (the producer's metadata), None when unknown."""
         available = self._producer.client.cluster.available_partitions_for_topic(topic)
         return sorted(available) if available else None
+
+    async def _enqueue(self, topic: str, data: bytes, request: Request,
+                       headers: list[tuple[str, bytes]] | None, partition: int | None) -> asyncio.Future[Any]:
+        """Hand one copy to the producer, and not wait for the broker: the future of the broker's
+        answer (the copy's send span lasts until then). The caller bounds the wait by the deadline."""
+        try:
+            span = tracing.send_span(topic, request.id, partition, headers)
+            with span as carried:
+                delivery: asyncio.Future[Any] = await self._producer.send(
+                    topic, data, headers=carried, partition=partition)
+                span.until(delivery)
+            return delivery
+        except KafkaError as exc:
+            raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
 
     async def _publish(self, topic: str, data: bytes, request: Request,
                        headers: list[tuple[str, bytes]] | None, partition: int | None = None) -> None:

@@ -288,13 +288,24 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-_ID_PREFIX = os.urandom(6).hex()
 _ID_SEQ = count()
 
 
+def _id_prefix() -> None:
+    """A random prefix and the pid, drawn again in a forked child (which would otherwise repeat its
+    parent's ids)."""
+    global _ID_PREFIX
+    _ID_PREFIX = f"{os.urandom(6).hex()}{os.getpid() & 0xFFFF:04x}"
+
+
+_ID_PREFIX = ""
+_id_prefix()
+os.register_at_fork(after_in_child=_id_prefix)
+
+
 def new_request_id() -> str:
-    """Unique without a syscall: a random per-process prefix and a counter (28 characters)."""
-    return f"{_ID_PREFIX}{os.getpid() & 0xFFFF:04x}{next(_ID_SEQ):012x}"
+    """Unique without a syscall: a random per-process prefix with the pid, and a counter (28 characters)."""
+    return f"{_ID_PREFIX}{next(_ID_SEQ):012x}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,8 +22,12 @@ so before sending), ``expired``/``error`` (a worker answered with a refusal or a
 ``unaccepted`` (the broker did not take it by the deadline) or ``timed_out`` (taken, no answer by the
 deadline). A timed-out request that no reply ever reached, by the end of the soak, is ``lost``:
 at-least-once was broken. **availability = ok / offered.** Per fault: what it was, when,
-how many requests sent until the next fault failed, and ``recovery_s``: from the fault to the end of
-its last bad second (over 1 % failed) before five seconds without one.
+how many requests sent until the next fault failed, its ``bound`` (``FAULT_BOUNDS``, scaled to the
+rate) and whether it stayed within it, and ``recovery_s``: from the fault to the end of its last bad
+second (over 1 % failed) before five seconds without one. ``availability_outside_faults``: the same
+ratio over the requests sent outside every fault's window (from the fault to 10 s after its
+recovery). ``projection``: a month at 200 requests/s with one fault of each kind a day, each costing
+the worst its kind cost here, and the time between at the availability outside faults.
 
 ``variants`` runs the same soak (same seed, same faults) with a mechanism switched off, one after the
 other on fresh stacks: ``no-hedging`` (the client never hedges nor avoids a partition),
@@ -42,7 +46,7 @@ import signal
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from subprocess import Popen
@@ -333,9 +337,15 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
     for i, f in enumerate(faults):
         until = faults[i + 1]["at_s"] if i + 1 < len(faults) else seconds
         f["recovery_s"] = recovery_s(timeline["failed"], timeline["offered"], f["at_s"], until)
+        f["bound"] = fault_bound(f["kind"], config.rate)
+        f["within_bound"] = f["failed"] <= f["bound"]
+    between, outside = availability_outside(((c.sent, c.kind == "ok") for c in calls), faults)
     return {
         "kind": "chaos",
         "availability": round(counts["ok"] / offered, 6) if offered else None,
+        "availability_outside_faults": round(between, 6) if between is not None else None,
+        "offered_outside_faults": outside,
+        "projection": projection(faults, between, config.rate),
         "offered": offered,
         **counts,
         "why": dict(Counter(f"{c.kind}:{c.why}" for c in calls if c.why).most_common()),
@@ -359,6 +369,50 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
 
 
 QUIET_S = 5  # seconds without a failed request that end a fault's effect
+WINDOW_AFTER_S = 10.0  # a fault's window: from the fault to this long after its recovery
+# What one fault may cost, in failed requests at 200 requests/s (scaled to the soak's rate): a worker's
+# death or pause a quarter of a second of traffic; a broker's, whose writes wait for an election or
+# for the in-sync set to drop the follower, 1.5 s.
+FAULT_BOUNDS = {"worker_sigkill": 50, "worker_sigstop": 50, "redis_sigkill": 100, "redis_slow": 100,
+                "lagmon_sigkill": 10, "telemetry_sigkill": 10, "broker_sigkill": 300, "broker_slow": 300}
+BOUND_RATE = 200.0
+DAY_S = 86_400.0
+MONTH_S = 30 * DAY_S
+
+
+def fault_bound(kind: str, rate: float) -> int:
+    """The most requests a fault of ``kind`` may fail at ``rate`` requests/s."""
+    return math.floor(FAULT_BOUNDS[kind] * rate / BOUND_RATE)
+
+
+def availability_outside(calls: Iterable[tuple[float, bool]], faults: list[dict[str, Any]]) -> tuple[float | None, int]:
+    """Of the requests (seconds into the soak when sent, answered ok) sent outside every fault's window
+    (from the fault to ``WINDOW_AFTER_S`` after its recovery): the fraction answered ok, and how many."""
+    windows = [(f["at_s"], f["at_s"] + f["recovery_s"] + WINDOW_AFTER_S) for f in faults]
+    ok = offered = 0
+    for sent, answered in calls:
+        if not any(a <= sent < b for a, b in windows):
+            offered += 1
+            ok += answered
+    return (ok / offered if offered else None), offered
+
+
+def projection(faults: list[dict[str, Any]], between: float | None, rate: float,
+               per_day: float = 1.0, at_rate: float = BOUND_RATE) -> dict[str, Any] | None:
+    """A month of traffic at ``at_rate`` with ``per_day`` faults of each kind the soak measured: each
+    costs the worst its kind cost in the soak (scaled from the soak's ``rate``), and the seconds between
+    faults serve at the soak's availability outside fault windows (``between``). None without traffic
+    outside the faults to measure that by."""
+    if between is None or rate <= 0:
+        return None
+    worst: dict[str, float] = {}
+    for f in faults:
+        worst[f["kind"]] = max(worst.get(f["kind"], 0.0), f["failed"] * at_rate / rate)
+    offered = at_rate * MONTH_S
+    from_faults = sum(cost * per_day * MONTH_S / DAY_S for cost in worst.values())
+    failed = from_faults + (1.0 - between) * offered
+    return {"per_day_each": per_day, "rate": at_rate, "cost_per_fault": {k: round(v, 1) for k, v in worst.items()},
+            "failed_per_month": round(failed), "availability_month": round(1.0 - failed / offered, 6)}
 
 
 def recovery_s(failed: list[int], offered: list[int], at_s: float, until_s: float, quiet_s: int = QUIET_S) -> int:
@@ -397,8 +451,9 @@ def bench_chaos(config: ChaosConfig, variants: tuple[str, ...] = ("all",), keep:
             finally:
                 local.down()
         r = reports[name]
-        log(f"  availability {r['availability']}, lost {r['lost']}, p99 {r['p99_ms']} ms, "
-            f"hedged {r['hedged_fraction']}")
+        month = (r["projection"] or {}).get("availability_month")
+        log(f"  availability {r['availability']} ({r['availability_outside_faults']} outside faults, {month} "
+            f"projected for a month), lost {r['lost']}, p99 {r['p99_ms']} ms, hedged {r['hedged_fraction']}")
     if len(variants) == 1:
         only: dict[str, Any] = reports[variants[0]]
         return only

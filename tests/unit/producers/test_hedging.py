@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kinfer.producers import Client
 from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
 from kinfer.topics import Priority, Request, Result, Status
-from kinfer.topics.envelope import ReplyRoute
+from kinfer.topics.envelope import ReplyRoute, now_ms
 
 T = "infer.m.p1"
 
@@ -146,8 +146,16 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
     async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
         published.put_nowait(partition)
 
+    async def enqueue(topic: str, data: bytes, request: Request, headers: object,
+                      partition: int | None) -> asyncio.Future[None]:
+        await publish(topic, data, request, headers, partition)
+        taken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        taken.set_result(None)  # the broker took the first copy at once
+        return taken
+
     client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
     client._publish = publish  # type: ignore[method-assign]
+    client._enqueue = enqueue  # type: ignore[method-assign]
     looked, hedge = asyncio.Event(), client._hedge
 
     def hedge_and_tell(*args: Any) -> bool | None:
@@ -156,8 +164,8 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
         return sent
 
     client._hedge = hedge_and_tell  # type: ignore[method-assign]
-    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=2,
-                      inputs=("x",), reply=ReplyRoute(redis="c"))
+    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=now_ms(),
+                      deadline_ms=now_ms() + 60_000, inputs=("x",), reply=ReplyRoute(redis="c"))
     waiter: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
     exchange = asyncio.create_task(client._exchange(T, b"", request, None, waiter))
     first = await asyncio.wait_for(published.get(), 10)  # a probe of a suspect partition

@@ -6,7 +6,17 @@ import itertools
 
 import pytest
 
-from kinfer.ops.bench.chaos import FAULTS, VARIANTS, ChaosConfig, recovery_s, schedule
+from kinfer.ops.bench.chaos import (
+    FAULT_BOUNDS,
+    FAULTS,
+    VARIANTS,
+    ChaosConfig,
+    availability_outside,
+    fault_bound,
+    projection,
+    recovery_s,
+    schedule,
+)
 
 
 def test_the_schedule_is_the_seed_s_every_kind_in_turn_within_the_soak() -> None:
@@ -42,3 +52,30 @@ def test_each_variant_switches_off_one_mechanism(name: str) -> None:
     assert off == ([] if name == "all" else [name.removeprefix("no-")])
     with pytest.raises(ValueError):
         ChaosConfig().variant("no-such")
+
+
+def test_a_fault_s_bound_scales_with_the_rate() -> None:
+    assert fault_bound("worker_sigkill", 200.0) == 50 and fault_bound("broker_slow", 200.0) == 300
+    assert fault_bound("worker_sigstop", 60.0) == 15 and fault_bound("lagmon_sigkill", 60.0) == 3
+    assert set(FAULT_BOUNDS) == set(FAULTS)
+
+
+def test_availability_outside_faults_leaves_out_each_window() -> None:
+    faults = [{"at_s": 10.0, "recovery_s": 5}, {"at_s": 40.0, "recovery_s": 0}]
+    # windows: [10, 25) and [40, 50); the failures inside them do not count, the one at 30 s does
+    calls = [(5.0, True), (12.0, False), (24.9, False), (25.0, True), (30.0, False), (45.0, False), (50.0, True)]
+    assert availability_outside(calls, faults) == (3 / 4, 4)
+    assert availability_outside([(12.0, False)], faults) == (None, 0)
+
+
+def test_the_projection_charges_each_kind_its_worst_cost_once_a_day() -> None:
+    # measured at 100/s: two worker kills (20 and 40 failed: 80 at 200/s), one broker pause (150: 300)
+    faults = [{"kind": "worker_sigkill", "failed": 20}, {"kind": "worker_sigkill", "failed": 40},
+              {"kind": "broker_slow", "failed": 150}]
+    p = projection(faults, between=0.99995, rate=100.0)
+    assert p is not None and p["cost_per_fault"] == {"worker_sigkill": 80.0, "broker_slow": 300.0}
+    offered = 200.0 * 30 * 86_400  # a month at 200/s
+    failed = 30 * (80 + 300) + 0.00005 * offered
+    assert p["failed_per_month"] == round(failed)
+    assert p["availability_month"] == round(1 - failed / offered, 6)
+    assert projection(faults, between=None, rate=100.0) is None
