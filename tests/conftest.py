@@ -6,11 +6,19 @@ while the other cores idle; collected first, the short files fill in around it. 
 ``slow`` test go first, then the other integration files, then the unit tests (a stable sort: the
 order within each group, and within each file, is kept). Files marked ``clock`` compare latencies:
 they go last, when the soaks that would starve them of CPU are over.
+
+Hypothesis runs without its clock-based checks (a per-example deadline, "data generation is too
+slow"): beside the soaks on two cores an example can take seconds, and the suite asserts by counts,
+not by the clock. A test's own ``settings`` still add to this profile.
 """
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
