@@ -95,9 +95,19 @@ class ClientSettings:
     # A request unanswered at the model's recent p99 goes once more to another partition; partitions
     # that stopped answering are skipped (``producers.hedging``). ``HedgePolicy(enabled=False)``: never.
     hedging: HedgePolicy = field(default_factory=HedgePolicy)
+    # What the broker must do before it acknowledges an interactive request (p0, p1) that this client
+    # hedges: "all" in-sync replicas (the default), or 1, the leader alone, so that a dead or paused
+    # follower does not stall its writes. A record the leader took and lost before a follower copied it
+    # is never answered, and the hedge answers it (its caller was told nothing before its reply).
+    # Streams, submits and p2/p3 always wait for every in-sync replica.
+    interactive_acks: Literal["all", 1] = "all"
     # Signs each request for its tenant (a deployment whose workers check signatures refuses
     # unsigned ones). Default: from the environment (KINFER_TENANT_KEY, or KINFER_SIGNING_SECRET).
     signer: Signer | None = None
+
+    def __post_init__(self) -> None:
+        if self.interactive_acks not in ("all", 1):
+            raise ValueError(f"interactive_acks must be 'all' or 1, got {self.interactive_acks!r}")
 
     def __repr__(self) -> str:  # never print credentials embedded in a URL
         redis = self.redis_url.split("@")[-1]
@@ -207,6 +217,13 @@ class Client:
             max_batch_size=256 * 1024,
             client_id=f"kinfer-client-{self.client_id}",
         )
+        # Interactive requests the client hedges, with acks=1 when so configured (no idempotence: it needs
+        # acks=all; a retried record answered twice is one answer, dropped by id).
+        self._hedged_producer = self._producer
+        if self.settings.interactive_acks == 1 and self.settings.hedging.enabled:
+            self._hedged_producer = AIOKafkaProducer(
+                bootstrap_servers=bootstrap, **auth.options(), acks=1, linger_ms=self.settings.linger_ms,
+                max_batch_size=256 * 1024, client_id=f"kinfer-client-{self.client_id}-acks1")
         self._redis = aioredis.Redis.from_url(redis_url)
         self._replies = ReplyMux(
             self._redis, redis_reply_channel(self.settings.tenant, self.client_id), self.settings.reply_topic,
@@ -233,12 +250,15 @@ class Client:
         try:
             try:
                 await self._producer.start()
+                if self._hedged_producer is not self._producer:
+                    await self._hedged_producer.start()
             except KafkaError as exc:
                 raise Unavailable(f"Kafka at {self.settings.bootstrap} unreachable: {exc}") from exc
             await self._replies.start(await self._reply_partitions())
         except BaseException:
             with contextlib.suppress(Exception):  # a client that did not start leaves nothing open
                 await self._producer.stop()
+                await self._hedged_producer.stop()
             raise
         if self.settings.admission:
             self._health.start()
@@ -262,6 +282,8 @@ class Client:
         await self._health.close()
         await self._replies.close()
         await self._producer.stop()
+        if self._hedged_producer is not self._producer:
+            await self._hedged_producer.stop()
         with contextlib.suppress(RedisError):
             await self._redis.aclose()
 
@@ -621,7 +643,7 @@ class Client:
             return None
         metrics.HEDGES.labels(request.model).inc()
         copies.sent.append((target, now))
-        copies.track(self._spawn_send(topic, data, request, headers, target))
+        copies.track(self._spawn_send(topic, data, request, headers, target, self._producer_for(request)))
         return True
 
     def _asker(self, topic: str, data: bytes, request: Request,
@@ -639,8 +661,9 @@ class Client:
         return ask_again
 
     def _spawn_send(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-                    partition: int | None) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(self._publish(topic, data, request, headers, partition))
+                    partition: int | None, producer: AIOKafkaProducer | None = None) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(
+            self._publish(topic, data, request, headers, partition, producer))
         task.add_done_callback(_retrieve)
         return task
 
@@ -649,23 +672,29 @@ class Client:
         available = self._producer.client.cluster.available_partitions_for_topic(topic)
         return sorted(available) if available else None
 
+    def _producer_for(self, request: Request) -> AIOKafkaProducer:
+        """The producer of a hedged request's copies: acks=1 for an interactive one when so configured."""
+        return self._hedged_producer if request.priority <= Priority.P1 else self._producer
+
     async def _enqueue(self, topic: str, data: bytes, request: Request,
                        headers: list[tuple[str, bytes]] | None, partition: int | None) -> asyncio.Future[Any]:
-        """Hand one copy to the producer, and not wait for the broker: the future of the broker's
-        answer (the copy's send span lasts until then). The caller bounds the wait by the deadline."""
+        """Hand the first copy of a hedged request to the producer, and not wait for the broker: the
+        future of the broker's answer (the copy's send span lasts until then). The caller bounds the
+        wait by the deadline."""
         try:
             span = tracing.send_span(topic, request.id, partition, headers)
             with span as carried:
-                delivery: asyncio.Future[Any] = await self._producer.send(
+                delivery: asyncio.Future[Any] = await self._producer_for(request).send(
                     topic, data, headers=carried, partition=partition)
                 span.until(delivery)
             return delivery
         except KafkaError as exc:
             raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
 
-    async def _publish(self, topic: str, data: bytes, request: Request,
-                       headers: list[tuple[str, bytes]] | None, partition: int | None = None) -> None:
-        """Hand the request to the broker, by its deadline whatever the broker does.
+    async def _publish(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
+                       partition: int | None = None, producer: AIOKafkaProducer | None = None) -> None:
+        """Hand the request to the broker, by its deadline whatever the broker does (``producer``: the
+        one that acknowledges after every in-sync replica, unless another is given).
 
         A broker that is down or slow makes the call fail at the deadline (``DeadlineExceeded``, not
         answered), not at the producer's own 40 s request timeout. The record may still sit in the
@@ -675,7 +704,7 @@ class Client:
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):
                 with tracing.send_span(topic, request.id, partition, headers) as carried:
-                    await (await self._producer.send(topic, data, headers=carried, partition=partition))
+                    await (await (producer or self._producer).send(topic, data, headers=carried, partition=partition))
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"{request.model}/{request.id}: the broker did not take the request by its deadline",

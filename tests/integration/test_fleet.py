@@ -17,7 +17,8 @@ def test_three_faults_lose_nothing() -> None:
     (the supervisor, the accounting) is what this tests: each fault class is tested on its own in
     ``test_faults`` and ``test_fault_suite``."""
     faults = ("worker_sigkill", "worker_sigstop")
-    config = ChaosConfig(minutes=0.75, rate=60.0, every_s=(20.0, 22.0), warmup_s=10.0, drain_s=5.0, faults=faults)
+    config = ChaosConfig(minutes=0.5, rate=80.0, every_s=(13.0, 14.0), first_fault_s=5.0, warmup_s=8.0, drain_s=5.0,
+                         faults=faults)
     report = bench_chaos(config)
     assert {f["kind"] for f in report["faults"]} == set(faults)
     assert sum(report[k] for k in KINDS) == report["offered"] > 2_000

@@ -143,7 +143,8 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
         hedger.board.hedged(T, p, sent=0.1, now=0.2)  # all three suspect, every probe due
     published: asyncio.Queue[int | None] = asyncio.Queue()
 
-    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None,
+                      producer: object = None) -> None:
         published.put_nowait(partition)
 
     async def enqueue(topic: str, data: bytes, request: Request, headers: object,
