@@ -203,3 +203,25 @@ def test_policy_refuses_nonsense() -> None:
                 {"probe_s": 0}, {"min_delay_ms": math.nan}):
         with pytest.raises(ValueError):
             HedgePolicy(**bad)  # type: ignore[arg-type]
+
+
+async def test_only_hedged_interactive_requests_may_be_acknowledged_by_the_leader_alone() -> None:
+    def request(priority: Priority) -> Request:
+        return Request(id="r", model="m", priority=priority, tenant="t", created_ms=1, deadline_ms=2,
+                       inputs=("x",), reply=ReplyRoute(redis="c"))
+
+    fast = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", interactive_acks=1)
+    assert fast._hedged_producer is not fast._producer
+    assert fast._hedged_producer._sender._acks == 1 and fast._producer._sender._acks == -1  # -1: every in-sync replica
+    assert fast._producer_for(request(Priority.P0)) is fast._hedged_producer
+    assert fast._producer_for(request(Priority.P1)) is fast._hedged_producer
+    assert fast._producer_for(request(Priority.P2)) is fast._producer
+    unhedged = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", interactive_acks=1,
+                      hedging=HedgePolicy(enabled=False))
+    assert unhedged._producer_for(request(Priority.P0)) is unhedged._producer  # no hedge: nothing answers a loss
+    with pytest.raises(ValueError, match="interactive_acks"):
+        Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", interactive_acks=2)  # type: ignore[arg-type]
+    for client in (fast, unhedged):
+        await client._producer.stop()
+        await client._hedged_producer.stop()
+        await client._redis.aclose()
