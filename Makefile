@@ -73,9 +73,11 @@ typecheck: deps
 # Tests run on every core (pytest-xdist), a file's tests on one worker: integration tests start
 # their own Kafka and Redis on free ports, one stack per worker. Files go out in the suite's own order,
 # longest first (tests/conftest.py), not xdist's (most tests first, which left the minute-long
-# scenarios, one test a file, to run last and alone).
+# scenarios, one test a file, to run last and alone). Tests marked clock compare latencies: they run
+# after the others, alone, so no other test's processes are their noise.
 test: lint typecheck
-	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder --durations=15 -m "not clock"
+	$(PY) -m pytest -m clock -q
 
 check: deps
 	$(PY) -m pytest tests/unit -m "not models and not slow" -n auto -q

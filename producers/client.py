@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
@@ -39,7 +39,7 @@ from kinfer.producers.admission import (
     health_decision,
 )
 from kinfer.producers.health import HealthWatch
-from kinfer.producers.hedging import HedgePolicy, Hedger
+from kinfer.producers.hedging import HedgePolicy, Hedger, LeaderWatch
 from kinfer.producers.replies import ReplyMux
 from kinfer.topics import (
     DEFAULT_LIMITS,
@@ -139,33 +139,42 @@ class _Copies:
     (the waiter gets the refusal); a hedge due with nowhere better to go is looked for again twice as
     long after."""
 
-    __slots__ = ("accepted", "hedge", "out", "put_off", "refusal", "sent", "tasks", "timer", "topic", "waiter")
+    __slots__ = ("accepted", "hedge", "on_acked", "out", "put_off", "refusal", "sent", "tasks", "timer", "topic",
+                 "waiter")
 
-    def __init__(self, waiter: asyncio.Future[Result], topic: str, first: int | None, sent_at: float) -> None:
+    def __init__(self, waiter: asyncio.Future[Result], topic: str, first: int | None, sent_at: float,
+                 on_acked: Callable[[Any], None] | None = None) -> None:
         self.waiter, self.topic = waiter, topic
+        self.on_acked = on_acked  # given each acknowledged copy's RecordMetadata (``LeaderWatch``)
         self.sent: list[tuple[int | None, float]] = [(first, sent_at)]  # where each copy went, and when
         self.accepted = False  # the broker took a copy
         self.out = 0  # copies the broker has not answered yet
         self.refusal: BaseException | None = None
-        self.tasks: list[asyncio.Task[None]] = []  # the hedges' sends
+        self.tasks: list[asyncio.Task[Any]] = []  # the hedges' sends
         self.timer: asyncio.TimerHandle | None = None
         self.hedge: Callable[[], bool | None] | None = None
         self.put_off = False  # a hedge was due with nowhere better to go (counted once a request)
 
-    def track(self, delivery: asyncio.Future[Any]) -> None:
-        """A copy the producer holds: its ``send`` future, or a hedge's send task."""
+    def track(self, delivery: asyncio.Future[Any], durable: bool = False) -> None:
+        """A copy the producer holds: its ``send`` future, or a hedge's send task (``durable``: one that
+        every in-sync replica acknowledges, which ``on_acked`` need not hear of)."""
         self.out += 1
         if isinstance(delivery, asyncio.Task):
             self.tasks.append(delivery)
-        delivery.add_done_callback(self._answered)
+        delivery.add_done_callback(self._answered_durable if durable else self._answered)
 
-    def _answered(self, delivery: asyncio.Future[Any]) -> None:
+    def _answered_durable(self, delivery: asyncio.Future[Any]) -> None:
+        self._answered(delivery, durable=True)
+
+    def _answered(self, delivery: asyncio.Future[Any], durable: bool = False) -> None:
         self.out -= 1
         if delivery.cancelled():
             return
         error = delivery.exception()
         if error is None:
             self.accepted = True
+            if self.on_acked is not None and not durable and not self.waiter.done():
+                self.on_acked(delivery.result())
             return
         if isinstance(error, KafkaError):
             error = Unavailable(f"publishing to {self.topic} failed: {error}")
@@ -220,10 +229,13 @@ class Client:
         # Interactive requests the client hedges, with acks=1 when so configured (no idempotence: it needs
         # acks=all; a retried record answered twice is one answer, dropped by id).
         self._hedged_producer = self._producer
+        self._leaders: LeaderWatch | None = None  # what the leader alone acknowledged and is unanswered
         if self.settings.interactive_acks == 1 and self.settings.hedging.enabled:
             self._hedged_producer = AIOKafkaProducer(
                 bootstrap_servers=bootstrap, **auth.options(), acks=1, linger_ms=self.settings.linger_ms,
                 max_batch_size=256 * 1024, client_id=f"kinfer-client-{self.client_id}-acks1")
+            self._leaders = LeaderWatch()
+            self._hedged_producer.client.cluster.add_listener(self._leaders_moved)
         self._redis = aioredis.Redis.from_url(redis_url)
         self._replies = ReplyMux(
             self._redis, redis_reply_channel(self.settings.tenant, self.client_id), self.settings.reply_topic,
@@ -346,10 +358,11 @@ class Client:
     def hedges(self) -> dict[str, float]:
         """Requests sent, hedges sent, refused for want of budget, requests whose hedge was put off because
         every other partition was suspect too (a stall of the whole topic: a broker everyone waits on; or
-        one slow batch of the only live one), and hedges per request sent."""
+        one slow batch of the only live one), requests sent again because the leader that alone
+        acknowledged them was replaced (``LeaderWatch``), and hedges per request sent."""
         h = self._hedger
         return {"sent": h.sent, "hedged": h.budget.spent, "unpaid": h.budget.refused, "nowhere": h.nowhere,
-                "fraction": h.fraction}
+                "resent": self._leaders.resent if self._leaders is not None else 0, "fraction": h.fraction}
 
     @property
     def late_replies(self) -> int:
@@ -591,7 +604,9 @@ class Client:
         loop = asyncio.get_running_loop()
         sent_at = loop.time()
         first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
-        copies = _Copies(waiter, topic, first, sent_at)
+        leaders = self._leaders if request.priority <= Priority.P1 else None
+        copies = _Copies(waiter, topic, first, sent_at, None if leaders is None else
+                         lambda sent: self._watch(leaders, sent, topic, data, request, headers, copies))
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):  # the one timer of the request
                 copies.track(await self._enqueue(topic, data, request, headers, first))
@@ -613,6 +628,8 @@ class Client:
                                    answered=False) from exc
         finally:
             copies.close()
+            if leaders is not None:
+                leaders.done(request.id)
         now = loop.time()
         if first is not None and len(copies.sent) == 1:
             hedger.board.answered(topic, first, now)
@@ -661,7 +678,7 @@ class Client:
         return ask_again
 
     def _spawn_send(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-                    partition: int | None, producer: AIOKafkaProducer | None = None) -> asyncio.Task[None]:
+                    partition: int | None, producer: AIOKafkaProducer | None = None) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(
             self._publish(topic, data, request, headers, partition, producer))
         task.add_done_callback(_retrieve)
@@ -671,6 +688,23 @@ class Client:
         """The topic's partitions that have a leader now (the producer's metadata), None when unknown."""
         available = self._producer.client.cluster.available_partitions_for_topic(topic)
         return sorted(available) if available else None
+
+    def _watch(self, leaders: LeaderWatch, sent: Any, topic: str, data: bytes, request: Request,
+               headers: list[tuple[str, bytes]] | None, copies: _Copies) -> None:
+        """A copy the leader alone acknowledged: watched until answered, re-sent if its leader changes."""
+        leader = self._hedged_producer.client.cluster.leader_for_partition(TopicPartition(topic, sent.partition))
+
+        def resend() -> None:
+            metrics.RESENT.labels(request.model).inc()
+            copies.track(self._spawn_send(topic, data, request, headers, None), durable=True)  # every in-sync replica
+
+        leaders.acked(request.id, topic, sent.partition, leader, resend)
+
+    def _leaders_moved(self, cluster: Any) -> None:
+        """New metadata: re-send what a partition's former leader alone acknowledged (``LeaderWatch``)."""
+        assert self._leaders is not None
+        if len(self._leaders):
+            self._leaders.check(lambda topic, partition: cluster.leader_for_partition(TopicPartition(topic, partition)))
 
     def _producer_for(self, request: Request) -> AIOKafkaProducer:
         """The producer of a hedged request's copies: acks=1 for an interactive one when so configured."""
@@ -692,7 +726,7 @@ class Client:
             raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
 
     async def _publish(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-                       partition: int | None = None, producer: AIOKafkaProducer | None = None) -> None:
+                       partition: int | None = None, producer: AIOKafkaProducer | None = None) -> Any:
         """Hand the request to the broker, by its deadline whatever the broker does (``producer``: the
         one that acknowledges after every in-sync replica, unless another is given).
 
@@ -704,7 +738,8 @@ class Client:
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):
                 with tracing.send_span(topic, request.id, partition, headers) as carried:
-                    await (await (producer or self._producer).send(topic, data, headers=carried, partition=partition))
+                    return await (await (producer or self._producer).send(
+                        topic, data, headers=carried, partition=partition))
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"{request.model}/{request.id}: the broker did not take the request by its deadline",

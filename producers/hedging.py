@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -232,3 +232,59 @@ class Hedger:
     def fraction(self) -> float:
         """Hedges sent per request sent."""
         return self.budget.spent / self.sent if self.sent else 0.0
+
+
+class LeaderWatch:
+    """Requests a partition's leader acknowledged alone (acks=1) and that are not answered yet.
+
+    Such a record is on the leader only until a follower copies it. Should the partition's leader
+    change meanwhile (the old one died, or was fenced while paused), the new one may never have had
+    it, and nothing would answer the request. So when the client's metadata shows another leader for
+    a partition than the one that acknowledged a copy, each unanswered request with a copy there is
+    sent once more, acknowledged by every in-sync replica this time, whatever the hedge budget says:
+    it is a re-send of what may be lost, not a bet on a faster copy. A request answered meanwhile was
+    not lost; the copy is a duplicate, dropped by id.
+    """
+
+    def __init__(self) -> None:
+        self._acked: dict[tuple[str, int], dict[str, int]] = {}  # partition -> request id -> its leader then
+        self._requests: dict[str, tuple[Callable[[], None], set[tuple[str, int]]]] = {}
+        self.resent = 0
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def acked(self, request_id: str, topic: str, partition: int, leader: int | None,
+              resend: Callable[[], None]) -> None:
+        """``leader`` acknowledged a copy of the request on ``partition`` (None: unknown, so not watched)."""
+        if leader is None or leader < 0:
+            return
+        where = (topic, partition)
+        _, places = self._requests.setdefault(request_id, (resend, set()))
+        places.add(where)
+        self._acked.setdefault(where, {})[request_id] = leader
+
+    def done(self, request_id: str) -> None:
+        """The request was answered, or its caller gave up: nothing to re-send for it."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        for where in entry[1]:
+            waiting = self._acked[where]
+            del waiting[request_id]
+            if not waiting:
+                del self._acked[where]
+
+    def check(self, leader_of: Callable[[str, int], int | None]) -> int:
+        """After a metadata update: re-send, once, every watched request with a copy on a partition whose
+        leader is now another (or none); returns how many."""
+        moved: dict[str, None] = {}  # in the order they were acknowledged
+        for where, waiting in self._acked.items():
+            now = leader_of(*where)
+            moved.update((request_id, None) for request_id, leader in waiting.items() if leader != now)
+        for request_id in moved:
+            resend = self._requests[request_id][0]
+            self.done(request_id)
+            resend()
+        self.resent += len(moved)
+        return len(moved)

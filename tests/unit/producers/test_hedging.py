@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kinfer.producers import Client
-from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
+from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, LeaderWatch, PartitionBoard
 from kinfer.topics import Priority, Request, Result, Status
 from kinfer.topics.envelope import ReplyRoute, now_ms
 
@@ -225,3 +225,18 @@ async def test_only_hedged_interactive_requests_may_be_acknowledged_by_the_leade
         await client._producer.stop()
         await client._hedged_producer.stop()
         await client._redis.aclose()
+
+
+def test_a_request_the_leader_alone_took_is_sent_again_once_when_its_partition_changes_leader() -> None:
+    watch, resent = LeaderWatch(), []
+    leaders = {("t", 0): 1, ("t", 1): 2}
+    for rid, partition in (("a", 0), ("b", 0), ("c", 1)):
+        watch.acked(rid, "t", partition, leaders[("t", partition)], lambda rid=rid: resent.append(rid))
+    watch.acked("c", "t", 0, 1, lambda: resent.append("c"))  # c's hedge, on partition 0 too
+    watch.acked("x", "t", 0, None, lambda: resent.append("x"))  # leader unknown: not watched
+    watch.done("b")  # answered: never re-sent
+    assert len(watch) == 2 and watch.check(lambda t, p: leaders[(t, p)]) == 0 and resent == []
+    leaders[("t", 0)] = 3  # partition 0's leader replaced: a and c (its hedge was there) go again, once each
+    assert watch.check(lambda t, p: leaders[(t, p)]) == 2 and resent == ["a", "c"]
+    leaders[("t", 1)] = -1  # no leader now: c is no longer watched, nothing more
+    assert watch.check(lambda t, p: leaders[(t, p)]) == 0 and len(watch) == 0 and watch.resent == 2
