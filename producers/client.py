@@ -139,13 +139,14 @@ class _Copies:
     (the waiter gets the refusal); a hedge due with nowhere better to go is looked for again twice as
     long after."""
 
-    __slots__ = ("accepted", "hedge", "on_acked", "out", "put_off", "refusal", "sent", "tasks", "timer", "topic",
-                 "waiter")
+    __slots__ = ("accepted", "hedge", "leaders", "on_acked", "out", "put_off", "refusal", "sent", "tasks", "timer",
+                 "topic", "waiter")
 
     def __init__(self, waiter: asyncio.Future[Result], topic: str, first: int | None, sent_at: float,
                  on_acked: Callable[[Any], None] | None = None) -> None:
         self.waiter, self.topic = waiter, topic
         self.on_acked = on_acked  # given each acknowledged copy's RecordMetadata (``LeaderWatch``)
+        self.leaders: dict[int, int | None] = {}  # partition -> its leader when a copy was sent there (acks=1)
         self.sent: list[tuple[int | None, float]] = [(first, sent_at)]  # where each copy went, and when
         self.accepted = False  # the broker took a copy
         self.out = 0  # copies the broker has not answered yet
@@ -607,6 +608,8 @@ class Client:
         leaders = self._leaders if request.priority <= Priority.P1 else None
         copies = _Copies(waiter, topic, first, sent_at, None if leaders is None else
                          lambda sent: self._watch(leaders, sent, topic, data, request, headers, copies))
+        if leaders is not None and first is not None:
+            copies.leaders[first] = self._leader_of(topic, first)
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):  # the one timer of the request
                 copies.track(await self._enqueue(topic, data, request, headers, first))
@@ -628,8 +631,11 @@ class Client:
                                    answered=False) from exc
         finally:
             copies.close()
-            if leaders is not None:
-                leaders.done(request.id)
+            if leaders is not None:  # answered: not watched; else a while more (its record may be lost yet)
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    leaders.done(request.id)
+                else:
+                    leaders.given_up(request.id, loop.time())
         now = loop.time()
         if first is not None and len(copies.sent) == 1:
             hedger.board.answered(topic, first, now)
@@ -660,6 +666,8 @@ class Client:
             return None
         metrics.HEDGES.labels(request.model).inc()
         copies.sent.append((target, now))
+        if self._leaders is not None and request.priority <= Priority.P1:
+            copies.leaders[target] = self._leader_of(topic, target)
         copies.track(self._spawn_send(topic, data, request, headers, target, self._producer_for(request)))
         return True
 
@@ -691,18 +699,31 @@ class Client:
 
     def _watch(self, leaders: LeaderWatch, sent: Any, topic: str, data: bytes, request: Request,
                headers: list[tuple[str, bytes]] | None, copies: _Copies) -> None:
-        """A copy the leader alone acknowledged: watched until answered, re-sent if its leader changes."""
-        leader = self._hedged_producer.client.cluster.leader_for_partition(TopicPartition(topic, sent.partition))
+        """A copy the leader alone acknowledged: watched until answered, re-sent if its leader changes. The
+        leader is the one the copy was sent to: a leader replaced between the send and its answer (the
+        client's metadata already says so) took it as a zombie, and the copy is re-sent at once."""
+        leader = self._leader_of(topic, sent.partition)
+        then = copies.leaders.get(sent.partition, leader)
 
         def resend() -> None:
+            leaders.resent += 1
             metrics.RESENT.labels(request.model).inc()
             copies.track(self._spawn_send(topic, data, request, headers, None), durable=True)  # every in-sync replica
 
-        leaders.acked(request.id, topic, sent.partition, leader, resend)
+        if then is not None and then != leader:
+            resend()
+        else:
+            leaders.acked(request.id, topic, sent.partition, leader, resend)
+
+    def _leader_of(self, topic: str, partition: int) -> int | None:
+        """The partition's leader in the acks=1 producer's metadata."""
+        leader: int | None = self._hedged_producer.client.cluster.leader_for_partition(TopicPartition(topic, partition))
+        return leader
 
     def _leaders_moved(self, cluster: Any) -> None:
         """New metadata: re-send what a partition's former leader alone acknowledged (``LeaderWatch``)."""
         assert self._leaders is not None
+        self._leaders.expire(asyncio.get_running_loop().time())
         if len(self._leaders):
             self._leaders.check(lambda topic, partition: cluster.leader_for_partition(TopicPartition(topic, partition)))
 

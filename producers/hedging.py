@@ -244,12 +244,18 @@ class LeaderWatch:
     sent once more, acknowledged by every in-sync replica this time, whatever the hedge budget says:
     it is a re-send of what may be lost, not a bet on a faster copy. A request answered meanwhile was
     not lost; the copy is a duplicate, dropped by id.
+
+    A request whose caller gave up unanswered stays watched for ``keep_s`` more: its record may still
+    be lost after its deadline (the leader change shows in the metadata a moment later), and an
+    accepted record must reach a worker, which answers it ``expired``; none is left to vanish.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_s: float = 30.0, most: int = 100_000) -> None:
         self._acked: dict[tuple[str, int], dict[str, int]] = {}  # partition -> request id -> its leader then
         self._requests: dict[str, tuple[Callable[[], None], set[tuple[str, int]]]] = {}
-        self.resent = 0
+        self._given_up: dict[str, float] = {}  # unanswered, still watched: until when (oldest first)
+        self.keep_s, self.most = keep_s, most
+        self.resent = 0  # requests sent again (counted by the caller's re-send)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -260,12 +266,30 @@ class LeaderWatch:
         if leader is None or leader < 0:
             return
         where = (topic, partition)
+        if request_id not in self._requests and len(self._requests) >= self.most:  # a burst of give-ups
+            self.done(next(iter(self._given_up), next(iter(self._requests))))
         _, places = self._requests.setdefault(request_id, (resend, set()))
         places.add(where)
         self._acked.setdefault(where, {})[request_id] = leader
 
+    def given_up(self, request_id: str, now: float) -> None:
+        """The caller gave up on the request unanswered: watched ``keep_s`` more, then forgotten."""
+        if request_id in self._requests:
+            self._given_up.pop(request_id, None)
+            self._given_up[request_id] = now + self.keep_s
+        self.expire(now)
+
+    def expire(self, now: float) -> None:
+        """Forget the given-up requests whose time is past."""
+        while self._given_up:
+            request_id, until = next(iter(self._given_up.items()))
+            if until > now:
+                break
+            self.done(request_id)
+
     def done(self, request_id: str) -> None:
-        """The request was answered, or its caller gave up: nothing to re-send for it."""
+        """The request was answered: nothing to re-send for it."""
+        self._given_up.pop(request_id, None)
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
@@ -282,9 +306,8 @@ class LeaderWatch:
         for where, waiting in self._acked.items():
             now = leader_of(*where)
             moved.update((request_id, None) for request_id, leader in waiting.items() if leader != now)
-        for request_id in moved:
+        for request_id in moved:  # each ``resend`` counts itself in ``resent``
             resend = self._requests[request_id][0]
             self.done(request_id)
             resend()
-        self.resent += len(moved)
         return len(moved)

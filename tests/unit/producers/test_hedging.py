@@ -239,4 +239,21 @@ def test_a_request_the_leader_alone_took_is_sent_again_once_when_its_partition_c
     leaders[("t", 0)] = 3  # partition 0's leader replaced: a and c (its hedge was there) go again, once each
     assert watch.check(lambda t, p: leaders[(t, p)]) == 2 and resent == ["a", "c"]
     leaders[("t", 1)] = -1  # no leader now: c is no longer watched, nothing more
-    assert watch.check(lambda t, p: leaders[(t, p)]) == 0 and len(watch) == 0 and watch.resent == 2
+    assert watch.check(lambda t, p: leaders[(t, p)]) == 0 and len(watch) == 0
+
+
+def test_a_request_given_up_unanswered_is_watched_a_while_more_and_the_watch_is_bounded() -> None:
+    watch, resent = LeaderWatch(keep_s=10.0, most=3), []
+    leaders = {("t", 0): 1}
+    for rid in ("a", "b"):
+        watch.acked(rid, "t", 0, 1, lambda rid=rid: resent.append(rid))
+    watch.given_up("a", now=100.0)  # timed out: its record may be lost after its deadline yet
+    watch.given_up("b", now=105.0)
+    watch.expire(109.0)
+    assert len(watch) == 2
+    leaders[("t", 0)] = 2  # the leader change shows after a's deadline: a is sent again all the same
+    watch.expire(111.0)  # a's while is over; b's is not
+    assert len(watch) == 1 and watch.check(lambda t, p: leaders[(t, p)]) == 1 and resent == ["b"]
+    for rid in ("c", "d", "e", "f"):  # at most 3 watched: the given-up first, then the oldest, make room
+        watch.acked(rid, "t", 0, 2, lambda rid=rid: resent.append(rid))
+    assert len(watch) == 3
