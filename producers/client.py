@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
@@ -39,7 +39,7 @@ from kinfer.producers.admission import (
     health_decision,
 )
 from kinfer.producers.health import HealthWatch
-from kinfer.producers.hedging import HedgePolicy, Hedger, LeaderWatch
+from kinfer.producers.hedging import HedgePolicy, Hedger
 from kinfer.producers.replies import ReplyMux
 from kinfer.topics import (
     DEFAULT_LIMITS,
@@ -95,19 +95,9 @@ class ClientSettings:
     # A request unanswered at the model's recent p99 goes once more to another partition; partitions
     # that stopped answering are skipped (``producers.hedging``). ``HedgePolicy(enabled=False)``: never.
     hedging: HedgePolicy = field(default_factory=HedgePolicy)
-    # What the broker must do before it acknowledges an interactive request (p0, p1) that this client
-    # hedges: "all" in-sync replicas (the default), or 1, the leader alone, so that a dead or paused
-    # follower does not stall its writes. A record the leader took and lost before a follower copied it
-    # is never answered, and the hedge answers it (its caller was told nothing before its reply).
-    # Streams, submits and p2/p3 always wait for every in-sync replica.
-    interactive_acks: Literal["all", 1] = "all"
     # Signs each request for its tenant (a deployment whose workers check signatures refuses
     # unsigned ones). Default: from the environment (KINFER_TENANT_KEY, or KINFER_SIGNING_SECRET).
     signer: Signer | None = None
-
-    def __post_init__(self) -> None:
-        if self.interactive_acks not in ("all", 1):
-            raise ValueError(f"interactive_acks must be 'all' or 1, got {self.interactive_acks!r}")
 
     def __repr__(self) -> str:  # never print credentials embedded in a URL
         redis = self.redis_url.split("@")[-1]
@@ -131,81 +121,9 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-class _Copies:
-    """One request's copies on their way to the broker, and its hedge timer.
-
-    The broker's answer to each copy and the hedge's moment come as callbacks, so the caller waits on
-    its reply alone. A copy refused when no other was taken and none is still out fails the request
-    (the waiter gets the refusal); a hedge due with nowhere better to go is looked for again twice as
-    long after."""
-
-    __slots__ = ("accepted", "hedge", "leaders", "on_acked", "out", "put_off", "refusal", "sent", "tasks", "timer",
-                 "topic", "waiter")
-
-    def __init__(self, waiter: asyncio.Future[Result], topic: str, first: int | None, sent_at: float,
-                 on_acked: Callable[[Any], None] | None = None) -> None:
-        self.waiter, self.topic = waiter, topic
-        self.on_acked = on_acked  # given each acknowledged copy's RecordMetadata (``LeaderWatch``)
-        self.leaders: dict[int, int | None] = {}  # partition -> its leader when a copy was sent there (acks=1)
-        self.sent: list[tuple[int | None, float]] = [(first, sent_at)]  # where each copy went, and when
-        self.accepted = False  # the broker took a copy
-        self.out = 0  # copies the broker has not answered yet
-        self.refusal: BaseException | None = None
-        self.tasks: list[asyncio.Task[Any]] = []  # the hedges' sends
-        self.timer: asyncio.TimerHandle | None = None
-        self.hedge: Callable[[], bool | None] | None = None
-        self.put_off = False  # a hedge was due with nowhere better to go (counted once a request)
-
-    def track(self, delivery: asyncio.Future[Any], durable: bool = False) -> None:
-        """A copy the producer holds: its ``send`` future, or a hedge's send task (``durable``: one that
-        every in-sync replica acknowledges, which ``on_acked`` need not hear of)."""
-        self.out += 1
-        if isinstance(delivery, asyncio.Task):
-            self.tasks.append(delivery)
-        delivery.add_done_callback(self._answered_durable if durable else self._answered)
-
-    def _answered_durable(self, delivery: asyncio.Future[Any]) -> None:
-        self._answered(delivery, durable=True)
-
-    def _answered(self, delivery: asyncio.Future[Any], durable: bool = False) -> None:
-        self.out -= 1
-        if delivery.cancelled():
-            return
-        error = delivery.exception()
-        if error is None:
-            self.accepted = True
-            if self.on_acked is not None and not durable and not self.waiter.done():
-                self.on_acked(delivery.result())
-            return
-        if isinstance(error, KafkaError):
-            error = Unavailable(f"publishing to {self.topic} failed: {error}")
-        self.refusal = self.refusal or error
-        if not self.accepted and not self.out and not self.waiter.done():
-            self.waiter.set_exception(self.refusal)  # no copy reached the broker: its refusal is the answer
-
-    def hedging(self, loop: asyncio.AbstractEventLoop, delay: float, hedge: Callable[[], bool | None]) -> None:
-        """Call ``hedge`` if the reply has not come ``delay`` seconds after the last copy went."""
-        self.hedge = hedge
-        self._arm(loop, delay, delay)
-
-    def _arm(self, loop: asyncio.AbstractEventLoop, delay: float, wait: float) -> None:
-        self.timer = loop.call_at(loop.time() + wait, self._due, loop, delay, wait)
-
-    def _due(self, loop: asyncio.AbstractEventLoop, delay: float, wait: float) -> None:
-        self.timer = None
-        if self.waiter.done() or self.hedge is None:
-            return
-        sent = self.hedge()
-        if sent is None:
-            return
-        self._arm(loop, delay, wait * 2 if sent is False else delay)  # nowhere to go yet: look again, less often
-
-    def close(self) -> None:
-        """The caller is done: no more hedges, and the hedges' sends still out are abandoned."""
-        if self.timer is not None:
-            self.timer.cancel()
-        for task in self.tasks:
-            task.cancel()
+def _time_out(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class Client:
@@ -227,16 +145,6 @@ class Client:
             max_batch_size=256 * 1024,
             client_id=f"kinfer-client-{self.client_id}",
         )
-        # Interactive requests the client hedges, with acks=1 when so configured (no idempotence: it needs
-        # acks=all; a retried record answered twice is one answer, dropped by id).
-        self._hedged_producer = self._producer
-        self._leaders: LeaderWatch | None = None  # what the leader alone acknowledged and is unanswered
-        if self.settings.interactive_acks == 1 and self.settings.hedging.enabled:
-            self._hedged_producer = AIOKafkaProducer(
-                bootstrap_servers=bootstrap, **auth.options(), acks=1, linger_ms=self.settings.linger_ms,
-                max_batch_size=256 * 1024, client_id=f"kinfer-client-{self.client_id}-acks1")
-            self._leaders = LeaderWatch()
-            self._hedged_producer.client.cluster.add_listener(self._leaders_moved)
         self._redis = aioredis.Redis.from_url(redis_url)
         self._replies = ReplyMux(
             self._redis, redis_reply_channel(self.settings.tenant, self.client_id), self.settings.reply_topic,
@@ -263,15 +171,12 @@ class Client:
         try:
             try:
                 await self._producer.start()
-                if self._hedged_producer is not self._producer:
-                    await self._hedged_producer.start()
             except KafkaError as exc:
                 raise Unavailable(f"Kafka at {self.settings.bootstrap} unreachable: {exc}") from exc
             await self._replies.start(await self._reply_partitions())
         except BaseException:
             with contextlib.suppress(Exception):  # a client that did not start leaves nothing open
                 await self._producer.stop()
-                await self._hedged_producer.stop()
             raise
         if self.settings.admission:
             self._health.start()
@@ -295,8 +200,6 @@ class Client:
         await self._health.close()
         await self._replies.close()
         await self._producer.stop()
-        if self._hedged_producer is not self._producer:
-            await self._hedged_producer.stop()
         with contextlib.suppress(RedisError):
             await self._redis.aclose()
 
@@ -359,11 +262,10 @@ class Client:
     def hedges(self) -> dict[str, float]:
         """Requests sent, hedges sent, refused for want of budget, requests whose hedge was put off because
         every other partition was suspect too (a stall of the whole topic: a broker everyone waits on; or
-        one slow batch of the only live one), requests sent again because the leader that alone
-        acknowledged them was replaced (``LeaderWatch``), and hedges per request sent."""
+        one slow batch of the only live one), and hedges per request sent."""
         h = self._hedger
         return {"sent": h.sent, "hedged": h.budget.spent, "unpaid": h.budget.refused, "nowhere": h.nowhere,
-                "resent": self._leaders.resent if self._leaders is not None else 0, "fraction": h.fraction}
+                "fraction": h.fraction}
 
     @property
     def late_replies(self) -> int:
@@ -413,9 +315,14 @@ class Client:
         model = request.model
         self._admit(request)
         waiter = self._replies.expect(request.id, self._asker(topic, data, request, headers))
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(loop.time() + max(0.0, self._remaining_s(request)), _time_out, waiter)
         try:
             result = await self._exchange(topic, data, request, headers, waiter)
         finally:
+            timer.cancel()
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # retrieved: a time-out that fired while publishing is not "never retrieved"
             self._replies.forget(request.id)
         refused = result.status in (Status.SHED, Status.EXPIRED)
         self._throttle(model).record(time.monotonic(), accepted=not refused)
@@ -596,79 +503,85 @@ class Client:
         and the partition it waited on becomes suspect unless it answered something meanwhile; so again,
         up to ``HedgePolicy.max_hedges`` copies. The first result wins; the others are dropped by id. A
         copy the broker refuses fails the call only when no copy was taken.
-
-        What this waits on is the reply alone: the broker's answers and the hedge timer are callbacks
-        (``_Copies``), so a request answered before its hedge delay costs one produce and one timer.
         """
         hedger = self._hedger
         partitions = self._partitions(topic)
-        loop = asyncio.get_running_loop()
-        sent_at = loop.time()
+        sent_at = time.monotonic()
         first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
-        leaders = self._leaders if request.priority <= Priority.P1 else None
-        copies = _Copies(waiter, topic, first, sent_at, None if leaders is None else
-                         lambda sent: self._watch(leaders, sent, topic, data, request, headers, copies))
-        if leaders is not None and first is not None:
-            copies.leaders[first] = self._leader_of(topic, first)
+        sends = {self._spawn_send(topic, data, request, headers, first)}
+        hedger.sent_one()
+        # Background work waits for idle capacity by design: a copy would only wait as well.
+        hedgeable = partitions and len(partitions) > 1 and not request.priority.background
+        delay = hedger.delay_s(request.model) if hedgeable else None
+        copies = [(first, sent_at)]  # where each copy went, and when
+        hedge_at = None if delay is None else sent_at + delay
+        wait, put_off = delay, False  # put off: a hedge was due with nowhere better to go
+        accepted = False
+        refusals: list[BaseException] = []
         try:
-            async with asyncio.timeout(max(0.0, self._remaining_s(request))):  # the one timer of the request
-                copies.track(await self._enqueue(topic, data, request, headers, first))
-                hedger.sent_one()
-                # Background work waits for idle capacity by design: a copy would only wait as well.
-                hedgeable = partitions and len(partitions) > 1 and not request.priority.background
-                delay = hedger.delay_s(request.model) if hedgeable else None
-                if delay is not None:
-                    assert partitions is not None
-                    copies.hedging(loop, delay, lambda: self._hedge(topic, data, request, headers, partitions,
-                                                                    copies))
-                result = await waiter
-        except TimeoutError as exc:
-            if not copies.accepted:
-                raise DeadlineExceeded(
-                    f"{request.model}/{request.id}: the broker did not take the request by its deadline",
-                    answered=False, accepted=False) from exc
-            raise DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline",
-                                   answered=False) from exc
+            while not waiter.done():
+                timeout = None if hedge_at is None else max(0.0, hedge_at - time.monotonic())
+                waiting: set[asyncio.Future[Any]] = {waiter, *sends}
+                done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in [t for t in sends if t in done]:
+                    sends.discard(task)
+                    if (error := task.exception()) is None:
+                        accepted = True
+                    else:
+                        refusals.append(error)
+                if not done:  # unanswered at the hedge delay: its last copy's partition is suspect
+                    assert delay is not None and wait is not None and partitions
+                    sent = self._hedge(topic, data, request, headers, partitions, copies, sends)
+                    if sent is False:  # nowhere to go yet: look again, less often
+                        hedger.nowhere += not put_off  # once a request
+                        put_off, wait = True, wait * 2
+                    else:
+                        wait = delay
+                    hedge_at = None if sent is None else time.monotonic() + wait
+                if refusals and not sends and not accepted and not waiter.done():
+                    raise refusals[0]  # no copy reached the broker: its refusal is the answer
+            try:
+                result = waiter.result()
+            except TimeoutError as exc:
+                if not accepted:
+                    raise DeadlineExceeded(
+                        f"{request.model}/{request.id}: the broker did not take the request by its deadline",
+                        answered=False, accepted=False) from exc
+                raise DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline",
+                                       answered=False) from exc
         finally:
-            copies.close()
-            if leaders is not None:  # answered: not watched; else a while more (its record may be lost yet)
-                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                    leaders.done(request.id)
-                else:
-                    leaders.given_up(request.id, loop.time())
-        now = loop.time()
-        if first is not None and len(copies.sent) == 1:
+            for task in sends:
+                task.cancel()
+        now = time.monotonic()
+        if first is not None and len(copies) == 1:
             hedger.board.answered(topic, first, now)
         if result.status is Status.OK and not request.priority.background:
             hedger.observe(request.model, now - sent_at)
         return result
 
     def _hedge(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-               partitions: list[int], copies: _Copies) -> bool | None:
+               partitions: list[int], copies: list[tuple[int | None, float]],
+               sends: set[asyncio.Task[None]]) -> bool | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
         one more copy where it can help and the budget pays. True: a copy was sent; False: every other
         partition is suspect too, and the caller looks again later, each time twice as long after (a
         partition that was only slow, a busy box's long batch, answers meanwhile and is trusted again; a
         whole topic that waits costs a few wake-ups a request); None: no more hedging for it."""
-        hedger, now = self._hedger, asyncio.get_running_loop().time()
-        last, last_at = copies.sent[-1]
+        hedger, now = self._hedger, time.monotonic()
+        last, last_at = copies[-1]
         assert last is not None
         hedger.board.hedged(topic, last, last_at, now)
-        if len(copies.sent) > hedger.policy.max_hedges:
+        if len(copies) > hedger.policy.max_hedges:
             return None
-        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies.sent if p is not None])
+        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies if p is not None])
         if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
-            hedger.nowhere += not copies.put_off  # once a request
-            copies.put_off = True
             return False
         if not hedger.budget.spend():
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None
         metrics.HEDGES.labels(request.model).inc()
-        copies.sent.append((target, now))
-        if self._leaders is not None and request.priority <= Priority.P1:
-            copies.leaders[target] = self._leader_of(topic, target)
-        copies.track(self._spawn_send(topic, data, request, headers, target, self._producer_for(request)))
+        sends.add(self._spawn_send(topic, data, request, headers, target))
+        copies.append((target, now))
         return True
 
     def _asker(self, topic: str, data: bytes, request: Request,
@@ -686,9 +599,8 @@ class Client:
         return ask_again
 
     def _spawn_send(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-                    partition: int | None, producer: AIOKafkaProducer | None = None) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(
-            self._publish(topic, data, request, headers, partition, producer))
+                    partition: int | None) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(self._publish(topic, data, request, headers, partition))
         task.add_done_callback(_retrieve)
         return task
 
@@ -697,59 +609,9 @@ class Client:
         available = self._producer.client.cluster.available_partitions_for_topic(topic)
         return sorted(available) if available else None
 
-    def _watch(self, leaders: LeaderWatch, sent: Any, topic: str, data: bytes, request: Request,
-               headers: list[tuple[str, bytes]] | None, copies: _Copies) -> None:
-        """A copy the leader alone acknowledged: watched until answered, re-sent if its leader changes. The
-        leader is the one the copy was sent to: a leader replaced between the send and its answer (the
-        client's metadata already says so) took it as a zombie, and the copy is re-sent at once."""
-        leader = self._leader_of(topic, sent.partition)
-        then = copies.leaders.get(sent.partition, leader)
-
-        def resend() -> None:
-            leaders.resent += 1
-            metrics.RESENT.labels(request.model).inc()
-            copies.track(self._spawn_send(topic, data, request, headers, None), durable=True)  # every in-sync replica
-
-        if then is not None and then != leader:
-            resend()
-        else:
-            leaders.acked(request.id, topic, sent.partition, leader, resend)
-
-    def _leader_of(self, topic: str, partition: int) -> int | None:
-        """The partition's leader in the acks=1 producer's metadata."""
-        leader: int | None = self._hedged_producer.client.cluster.leader_for_partition(TopicPartition(topic, partition))
-        return leader
-
-    def _leaders_moved(self, cluster: Any) -> None:
-        """New metadata: re-send what a partition's former leader alone acknowledged (``LeaderWatch``)."""
-        assert self._leaders is not None
-        self._leaders.expire(asyncio.get_running_loop().time())
-        if len(self._leaders):
-            self._leaders.check(lambda topic, partition: cluster.leader_for_partition(TopicPartition(topic, partition)))
-
-    def _producer_for(self, request: Request) -> AIOKafkaProducer:
-        """The producer of a hedged request's copies: acks=1 for an interactive one when so configured."""
-        return self._hedged_producer if request.priority <= Priority.P1 else self._producer
-
-    async def _enqueue(self, topic: str, data: bytes, request: Request,
-                       headers: list[tuple[str, bytes]] | None, partition: int | None) -> asyncio.Future[Any]:
-        """Hand the first copy of a hedged request to the producer, and not wait for the broker: the
-        future of the broker's answer (the copy's send span lasts until then). The caller bounds the
-        wait by the deadline."""
-        try:
-            span = tracing.send_span(topic, request.id, partition, headers)
-            with span as carried:
-                delivery: asyncio.Future[Any] = await self._producer_for(request).send(
-                    topic, data, headers=carried, partition=partition)
-                span.until(delivery)
-            return delivery
-        except KafkaError as exc:
-            raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
-
-    async def _publish(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-                       partition: int | None = None, producer: AIOKafkaProducer | None = None) -> Any:
-        """Hand the request to the broker, by its deadline whatever the broker does (``producer``: the
-        one that acknowledges after every in-sync replica, unless another is given).
+    async def _publish(self, topic: str, data: bytes, request: Request,
+                       headers: list[tuple[str, bytes]] | None, partition: int | None = None) -> None:
+        """Hand the request to the broker, by its deadline whatever the broker does.
 
         A broker that is down or slow makes the call fail at the deadline (``DeadlineExceeded``, not
         answered), not at the producer's own 40 s request timeout. The record may still sit in the
@@ -759,8 +621,7 @@ class Client:
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):
                 with tracing.send_span(topic, request.id, partition, headers) as carried:
-                    return await (await (producer or self._producer).send(
-                        topic, data, headers=carried, partition=partition))
+                    await (await self._producer.send(topic, data, headers=carried, partition=partition))
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"{request.model}/{request.id}: the broker did not take the request by its deadline",

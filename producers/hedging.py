@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -232,82 +232,3 @@ class Hedger:
     def fraction(self) -> float:
         """Hedges sent per request sent."""
         return self.budget.spent / self.sent if self.sent else 0.0
-
-
-class LeaderWatch:
-    """Requests a partition's leader acknowledged alone (acks=1) and that are not answered yet.
-
-    Such a record is on the leader only until a follower copies it. Should the partition's leader
-    change meanwhile (the old one died, or was fenced while paused), the new one may never have had
-    it, and nothing would answer the request. So when the client's metadata shows another leader for
-    a partition than the one that acknowledged a copy, each unanswered request with a copy there is
-    sent once more, acknowledged by every in-sync replica this time, whatever the hedge budget says:
-    it is a re-send of what may be lost, not a bet on a faster copy. A request answered meanwhile was
-    not lost; the copy is a duplicate, dropped by id.
-
-    A request whose caller gave up unanswered stays watched for ``keep_s`` more: its record may still
-    be lost after its deadline (the leader change shows in the metadata a moment later), and an
-    accepted record must reach a worker, which answers it ``expired``; none is left to vanish.
-    """
-
-    def __init__(self, keep_s: float = 30.0, most: int = 100_000) -> None:
-        self._acked: dict[tuple[str, int], dict[str, int]] = {}  # partition -> request id -> its leader then
-        self._requests: dict[str, tuple[Callable[[], None], set[tuple[str, int]]]] = {}
-        self._given_up: dict[str, float] = {}  # unanswered, still watched: until when (oldest first)
-        self.keep_s, self.most = keep_s, most
-        self.resent = 0  # requests sent again (counted by the caller's re-send)
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def acked(self, request_id: str, topic: str, partition: int, leader: int | None,
-              resend: Callable[[], None]) -> None:
-        """``leader`` acknowledged a copy of the request on ``partition`` (None: unknown, so not watched)."""
-        if leader is None or leader < 0:
-            return
-        where = (topic, partition)
-        if request_id not in self._requests and len(self._requests) >= self.most:  # a burst of give-ups
-            self.done(next(iter(self._given_up), next(iter(self._requests))))
-        _, places = self._requests.setdefault(request_id, (resend, set()))
-        places.add(where)
-        self._acked.setdefault(where, {})[request_id] = leader
-
-    def given_up(self, request_id: str, now: float) -> None:
-        """The caller gave up on the request unanswered: watched ``keep_s`` more, then forgotten."""
-        if request_id in self._requests:
-            self._given_up.pop(request_id, None)
-            self._given_up[request_id] = now + self.keep_s
-        self.expire(now)
-
-    def expire(self, now: float) -> None:
-        """Forget the given-up requests whose time is past."""
-        while self._given_up:
-            request_id, until = next(iter(self._given_up.items()))
-            if until > now:
-                break
-            self.done(request_id)
-
-    def done(self, request_id: str) -> None:
-        """The request was answered: nothing to re-send for it."""
-        self._given_up.pop(request_id, None)
-        entry = self._requests.pop(request_id, None)
-        if entry is None:
-            return
-        for where in entry[1]:
-            waiting = self._acked[where]
-            del waiting[request_id]
-            if not waiting:
-                del self._acked[where]
-
-    def check(self, leader_of: Callable[[str, int], int | None]) -> int:
-        """After a metadata update: re-send, once, every watched request with a copy on a partition whose
-        leader is now another (or none); returns how many."""
-        moved: dict[str, None] = {}  # in the order they were acknowledged
-        for where, waiting in self._acked.items():
-            now = leader_of(*where)
-            moved.update((request_id, None) for request_id, leader in waiting.items() if leader != now)
-        for request_id in moved:  # each ``resend`` counts itself in ``resent``
-            resend = self._requests[request_id][0]
-            self.done(request_id)
-            resend()
-        return len(moved)

@@ -54,12 +54,6 @@ HEDGES = Counter(
     "Requests published a second time to another partition, unanswered at the model's recent p99 (producers.hedging)",
     ["model"],
 )
-RESENT = Counter(
-    "kinfer_client_requests_resent_total",
-    "Requests published again because the leader that alone acknowledged them (interactive_acks=1) was replaced "
-    "before they were answered (producers.hedging.LeaderWatch)",
-    ["model"],
-)
 HEDGES_UNPAID = Counter(
     "kinfer_client_hedges_unpaid_total",
     "Hedges wanted but not sent: the hedge budget was spent",

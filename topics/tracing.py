@@ -25,7 +25,6 @@ context or None out.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -210,21 +209,15 @@ class _Scope:
         self._unsampled = _NOT_SAMPLED.set(format_traceparent(span.get_span_context()).encode())
         return False
 
-    def _end(self, exc: BaseException | None, ended: bool = True) -> None:
-        """Leave the block; the span ends now unless ``ended`` is False (it ends later, elsewhere)."""
+    def _end(self, exc: BaseException | None) -> None:
         if self.span is not None:
-            if ended:
-                _close(self.span, exc)
+            if exc is not None:
+                self.span.record_exception(exc)
+                self.span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+            self.span.end()
             otel_context.detach(self._attached)  # type: ignore[arg-type]
         elif self._unsampled is not None:
             _NOT_SAMPLED.reset(self._unsampled)
-
-
-def _close(span: trace.Span, exc: BaseException | None) -> None:
-    if exc is not None:
-        span.record_exception(exc)
-        span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
-    span.end()
 
 
 class request_span(_Scope):
@@ -302,21 +295,14 @@ class server_span(_Scope):
 
 class send_span(_Scope):
     """One copy's publish: ``with send_span(...) as carried`` gives the headers to send it with,
-    ``traceparent`` added (the same headers when tracing is off). The span lasts until the broker
-    took the copy: the block's end, or the end of the delivery given to ``until``."""
+    ``traceparent`` added (the same headers when tracing is off)."""
 
-    __slots__ = ("delivery", "headers", "partition", "request_id", "topic")
+    __slots__ = ("headers", "partition", "request_id", "topic")
 
     def __init__(self, topic: str, request_id: str, partition: int | None,
                  headers: list[tuple[str, bytes]] | None) -> None:
         super().__init__()
         self.topic, self.request_id, self.partition, self.headers = topic, request_id, partition, headers
-        self.delivery: asyncio.Future[Any] | None = None
-
-    def until(self, delivery: asyncio.Future[Any]) -> None:
-        """End the span when ``delivery`` (the producer's future for the copy) is done, not at the
-        block's end: for a copy whose acknowledgement nobody awaits in the block."""
-        self.delivery = delivery
 
     def __enter__(self) -> list[tuple[str, bytes]] | None:
         t = _tracer if _tracer is not None else tracer()
@@ -341,12 +327,7 @@ class send_span(_Scope):
         return [*(self.headers or ()), (TRACEPARENT, carried)] if carried is not None else self.headers
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        span, delivery = self.span, self.delivery
-        later = span is not None and delivery is not None and exc is None
-        if later:
-            assert span is not None and delivery is not None
-            delivery.add_done_callback(lambda f: _close(span, None if f.cancelled() else f.exception()))
-        self._end(exc, ended=not later)
+        self._end(exc)
 
 
 def received(route: str, request_id: str, carried: str | None) -> None:

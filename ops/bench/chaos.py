@@ -33,9 +33,7 @@ the worst its kind cost here, and the time between at the availability outside f
 other on fresh stacks: ``no-hedging`` (the client never hedges nor avoids a partition),
 ``no-failover`` (Kafka's default broker failover timings), ``no-static`` (workers join as dynamic
 members: a restarted worker waits out its old self's session), ``no-answered`` (the lag monitor counts
-queues from committed offsets alone: a commit stall reads as a stopped model). ``acks-all`` and
-``acks-interactive-1`` compare the client's acknowledgement for its hedged interactive requests
-(``ClientSettings.interactive_acks``): every in-sync replica, or the leader alone.
+queues from committed offsets alone: a commit stall reads as a stopped model).
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from subprocess import Popen
-from typing import Any, Literal
+from typing import Any
 
 from kinfer.ops.bench import drawing as draw
 from kinfer.ops.bench.harness import log
@@ -66,7 +64,7 @@ from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_s
 
 FAULTS = ("worker_sigkill", "worker_sigstop", "broker_sigkill", "broker_slow", "redis_sigkill", "redis_slow",
           "lagmon_sigkill", "telemetry_sigkill")
-VARIANTS = ("all", "no-hedging", "no-failover", "no-static", "no-answered", "acks-all", "acks-interactive-1")
+VARIANTS = ("all", "no-hedging", "no-failover", "no-static", "no-answered")
 MODEL = "chaos"
 KINDS = ("ok", "refused", "expired", "error", "unaccepted", "timed_out")  # how a request can end
 
@@ -90,7 +88,6 @@ class ChaosConfig:
     failover: bool = True
     static: bool = True
     answered: bool = True  # the lag monitor reads the workers' answered reports, not committed offsets alone
-    interactive_acks: Literal["all", 1] = "all"  # the client's acks for its hedged p0/p1 requests
 
     def variant(self, name: str) -> ChaosConfig:
         if name == "all":
@@ -103,10 +100,6 @@ class ChaosConfig:
             return replace(self, static=False)
         if name == "no-answered":
             return replace(self, answered=False)
-        if name == "acks-all":
-            return replace(self, interactive_acks="all")
-        if name == "acks-interactive-1":
-            return replace(self, interactive_acks=1)
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
@@ -252,8 +245,7 @@ async def _soak(config: ChaosConfig, fleet: _Fleet) -> dict[str, Any]:
     watcher = asyncio.create_task(fleet.supervisor.watch())
     policy = HedgePolicy() if config.hedging else HedgePolicy(enabled=False)
     try:
-        async with Client(info.bootstrap, info.redis_url, tenant="chaos", hedging=policy,
-                          interactive_acks=config.interactive_acks) as client:
+        async with Client(info.bootstrap, info.redis_url, tenant="chaos", hedging=policy) as client:
             await wait_until_served(client, MODEL)  # the others join during the warm-up
             return await _drive(config, fleet, client)
     finally:
@@ -372,7 +364,7 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
                    "workers": config.workers, "partitions": config.partitions, "compute_ms": config.compute_ms,
                    "max_batch": config.max_batch, "seed": config.seed, "hedging": config.hedging,
                    "failover": config.failover, "static": config.static,
-                   "answered": config.answered, "interactive_acks": config.interactive_acks},
+                   "answered": config.answered},
     }
 
 

@@ -11,9 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kinfer.producers import Client
-from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, LeaderWatch, PartitionBoard
+from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
 from kinfer.topics import Priority, Request, Result, Status
-from kinfer.topics.envelope import ReplyRoute, now_ms
+from kinfer.topics.envelope import ReplyRoute
 
 T = "infer.m.p1"
 
@@ -143,20 +143,11 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
         hedger.board.hedged(T, p, sent=0.1, now=0.2)  # all three suspect, every probe due
     published: asyncio.Queue[int | None] = asyncio.Queue()
 
-    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None,
-                      producer: object = None) -> None:
+    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
         published.put_nowait(partition)
-
-    async def enqueue(topic: str, data: bytes, request: Request, headers: object,
-                      partition: int | None) -> asyncio.Future[None]:
-        await publish(topic, data, request, headers, partition)
-        taken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        taken.set_result(None)  # the broker took the first copy at once
-        return taken
 
     client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
     client._publish = publish  # type: ignore[method-assign]
-    client._enqueue = enqueue  # type: ignore[method-assign]
     looked, hedge = asyncio.Event(), client._hedge
 
     def hedge_and_tell(*args: Any) -> bool | None:
@@ -165,8 +156,8 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
         return sent
 
     client._hedge = hedge_and_tell  # type: ignore[method-assign]
-    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=now_ms(),
-                      deadline_ms=now_ms() + 60_000, inputs=("x",), reply=ReplyRoute(redis="c"))
+    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=2,
+                      inputs=("x",), reply=ReplyRoute(redis="c"))
     waiter: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
     exchange = asyncio.create_task(client._exchange(T, b"", request, None, waiter))
     first = await asyncio.wait_for(published.get(), 10)  # a probe of a suspect partition
@@ -203,57 +194,3 @@ def test_policy_refuses_nonsense() -> None:
                 {"probe_s": 0}, {"min_delay_ms": math.nan}):
         with pytest.raises(ValueError):
             HedgePolicy(**bad)  # type: ignore[arg-type]
-
-
-async def test_only_hedged_interactive_requests_may_be_acknowledged_by_the_leader_alone() -> None:
-    def request(priority: Priority) -> Request:
-        return Request(id="r", model="m", priority=priority, tenant="t", created_ms=1, deadline_ms=2,
-                       inputs=("x",), reply=ReplyRoute(redis="c"))
-
-    fast = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", interactive_acks=1)
-    assert fast._hedged_producer is not fast._producer
-    assert fast._hedged_producer._sender._acks == 1 and fast._producer._sender._acks == -1  # -1: every in-sync replica
-    assert fast._producer_for(request(Priority.P0)) is fast._hedged_producer
-    assert fast._producer_for(request(Priority.P1)) is fast._hedged_producer
-    assert fast._producer_for(request(Priority.P2)) is fast._producer
-    unhedged = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", interactive_acks=1,
-                      hedging=HedgePolicy(enabled=False))
-    assert unhedged._producer_for(request(Priority.P0)) is unhedged._producer  # no hedge: nothing answers a loss
-    with pytest.raises(ValueError, match="interactive_acks"):
-        Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", interactive_acks=2)  # type: ignore[arg-type]
-    for client in (fast, unhedged):
-        await client._producer.stop()
-        await client._hedged_producer.stop()
-        await client._redis.aclose()
-
-
-def test_a_request_the_leader_alone_took_is_sent_again_once_when_its_partition_changes_leader() -> None:
-    watch, resent = LeaderWatch(), []
-    leaders = {("t", 0): 1, ("t", 1): 2}
-    for rid, partition in (("a", 0), ("b", 0), ("c", 1)):
-        watch.acked(rid, "t", partition, leaders[("t", partition)], lambda rid=rid: resent.append(rid))
-    watch.acked("c", "t", 0, 1, lambda: resent.append("c"))  # c's hedge, on partition 0 too
-    watch.acked("x", "t", 0, None, lambda: resent.append("x"))  # leader unknown: not watched
-    watch.done("b")  # answered: never re-sent
-    assert len(watch) == 2 and watch.check(lambda t, p: leaders[(t, p)]) == 0 and resent == []
-    leaders[("t", 0)] = 3  # partition 0's leader replaced: a and c (its hedge was there) go again, once each
-    assert watch.check(lambda t, p: leaders[(t, p)]) == 2 and resent == ["a", "c"]
-    leaders[("t", 1)] = -1  # no leader now: c is no longer watched, nothing more
-    assert watch.check(lambda t, p: leaders[(t, p)]) == 0 and len(watch) == 0
-
-
-def test_a_request_given_up_unanswered_is_watched_a_while_more_and_the_watch_is_bounded() -> None:
-    watch, resent = LeaderWatch(keep_s=10.0, most=3), []
-    leaders = {("t", 0): 1}
-    for rid in ("a", "b"):
-        watch.acked(rid, "t", 0, 1, lambda rid=rid: resent.append(rid))
-    watch.given_up("a", now=100.0)  # timed out: its record may be lost after its deadline yet
-    watch.given_up("b", now=105.0)
-    watch.expire(109.0)
-    assert len(watch) == 2
-    leaders[("t", 0)] = 2  # the leader change shows after a's deadline: a is sent again all the same
-    watch.expire(111.0)  # a's while is over; b's is not
-    assert len(watch) == 1 and watch.check(lambda t, p: leaders[(t, p)]) == 1 and resent == ["b"]
-    for rid in ("c", "d", "e", "f"):  # at most 3 watched: the given-up first, then the oldest, make room
-        watch.acked(rid, "t", 0, 2, lambda rid=rid: resent.append(rid))
-    assert len(watch) == 3
