@@ -19,10 +19,12 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 from aiokafka import AIOKafkaProducer
+from prometheus_client.parser import text_string_to_metric_families
 
 from kinfer.consumers.runners.tinylm import build_tiny_lm
 from kinfer.ops.localstack.procs import prometheus_binary, spawn, stop_process
 from kinfer.ops.localstack.stack import StackInfo, free_port
+from kinfer.producers.client import Client
 from kinfer.topics import Priority, ReplyRoute, Request, now_ms, pack
 from kinfer.topics.admin import ensure_topics, model_topic_specs
 from kinfer.topics.health import HEALTH_CHANNEL
@@ -45,6 +47,13 @@ async def query(http: httpx.AsyncClient, expr: str) -> list[dict[str, Any]]:
     assert answer["status"] == "success", answer
     result: list[dict[str, Any]] = answer["data"]["result"]
     return result
+
+
+async def levels(http: httpx.AsyncClient, port: int, name: str) -> dict[str, float]:
+    """A process's ``name`` gauge by model, from its metrics endpoint."""
+    text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    return {s.labels["model"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}
 
 
 DASHBOARD = ROOT / "ops" / "deploy" / "grafana" / "dashboards" / "kinfer.json"
@@ -94,7 +103,8 @@ def fleet_config(tmp: Path, targets: dict[str, list[str]]) -> Path:
 
 
 async def test_every_recording_and_dashboard_expression_returns_data_from_a_live_fleet(
-    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path,
+    client: Client,
 ) -> None:
     """A gateway, a batching worker, a generation worker and the lag monitor, scraped by a real
     Prometheus with the shipped job names and rules; traffic through the gateway (one-shot and
@@ -120,17 +130,30 @@ async def test_every_recording_and_dashboard_expression_returns_data_from_a_live
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway_port}", timeout=30) as http, \
                 httpx.AsyncClient(base_url=f"http://127.0.0.1:{prom_port}", timeout=10) as prom:
-            for _ in range(600):
+            # Ready before any request reaches the gateway: the error ratio counts every gateway request,
+            # and one sent while a worker still starts would expire. The workers are waited on through
+            # this process's own client (not scraped), the gateway through its readiness probe.
+            await client.infer(topics, ["x"], deadline_ms=120_000)
+            await client.infer(lm, "a", params={"max_new_tokens": 3}, deadline_ms=120_000)
+            for _ in range(240):
                 try:
-                    one = await http.post(f"/v1/models/{topics}/infer", json={"inputs": ["x"]})
-                    gen = await http.post("/v1/completions", json={"model": lm, "prompt": "a", "max_tokens": 3})
-                    if one.status_code == gen.status_code == 200:
+                    if (await http.get("/readyz")).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
                 await asyncio.sleep(0.5)
             else:
-                pytest.fail(f"never served:\n{batching.log()[-2000:]}\n{generating.log()[-2000:]}")
+                pytest.fail(f"gateway never ready:\n{(tmp_path / 'gateway.log').read_text()[-2000:]}")
+            # A queue that waited on a starting worker raised the models' health level: admission refuses
+            # by it until the level has come down, a level a poll at a time. Traffic starts at ok.
+            for _ in range(240):
+                monitor = await levels(http, lagmon_port, "kinfer_health_level")
+                seen = await levels(http, gateway_port, "kinfer_client_health_level")
+                if all(monitor.get(m) == 0 and seen.get(m, 0) == 0 for m in (topics, lm)):
+                    break
+                await asyncio.sleep(0.5)
+            else:
+                pytest.fail(f"the health level never came down: monitor {monitor}, gateway {seen}")
             # What the dashboard shows besides answers: a dead letter and a request expired in its partition.
             await producer.send_and_wait(f"infer.{topics}.p1", b"\xc1 not an envelope")
             now = now_ms()
@@ -153,15 +176,18 @@ async def test_every_recording_and_dashboard_expression_returns_data_from_a_live
 
             expressions = dashboard_expressions()
             empty: list[str] = expressions
+            answers: list[httpx.Response] = []
             for _ in range(90):  # traffic for a few scrapes: every rate over 1m has two samples
                 for _ in range(10):
-                    await http.post(f"/v1/models/{topics}/infer", json={"inputs": ["x", "yy"]})
-                await http.post("/v1/completions", json={"model": lm, "prompt": "a", "max_tokens": 3})
+                    answers.append(await http.post(f"/v1/models/{topics}/infer", json={"inputs": ["x", "yy"]}))
+                answers.append(await http.post("/v1/completions", json={"model": lm, "prompt": "a", "max_tokens": 3}))
                 empty = [e for e in expressions if not await query(prom, e)]
                 if not empty:
                     break
                 await asyncio.sleep(0.5)
             assert empty == [], "dashboard queries with no data"
+            refused = [(a.status_code, a.text[:200]) for a in answers if a.status_code != 200]
+            assert not refused, f"{len(refused)} of {len(answers)}: {refused}"
 
             rules = yaml.safe_load((SHIPPED / "rules" / "kinfer.yml").read_text())
             read = {name for group in rules["groups"] for rule in group["rules"]
