@@ -404,6 +404,9 @@ class GenCore(EngineCore):
                  observer: Observer) -> None:
         super().__init__(spec, worker_id, observer)
         self._runner = runner
+        rows = getattr(runner, "max_rows", None)  # a slot engine holds no more sequences than it has slots
+        if rows is not None and policy.max_running > rows:
+            policy = replace(policy, max_running=rows)
         self.scheduler = ContinuousScheduler(policy)
         self._seqs: dict[str, _Running] = {}
         self._drops: list[str] = []  # evicted, still to be removed from the runner's batch

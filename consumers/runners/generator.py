@@ -10,6 +10,12 @@ Each step picks every row's next token at once on the device (``devsample``: one
 and turns each row's new token into text with an ``IncrementalDecoder`` (``detok``: a short window per
 token, never the whole output again).
 
+Two engines keep the KV caches. ``dynamic`` (the default on a CPU) is the value above: shapes follow the
+rows, so it allocates no more than they use. ``slots`` (the default on a GPU) is ``SlotEngine``: a fixed
+block of KV slots, a decode step per batch-size bucket captured as a CUDA graph, long prompts prefilled a
+chunk at a time between decode steps; a sequence's prompt and output together fit its slot's ``context``
+tokens, and an output that fills it ends with finish ``length``.
+
 Everything here runs in the worker's executor thread; nothing touches the event loop.
 """
 
@@ -31,6 +37,7 @@ from kinfer.consumers.runners.base import TorchResidency, choose_attention, drop
 from kinfer.consumers.runners.detok import IncrementalDecoder, TextRules
 from kinfer.consumers.runners.devsample import pick_tokens
 from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
+from kinfer.consumers.runners.slotengine import SlotBatch, SlotEngine
 
 __all__ = ["MAX_STRIP_PASSES", "PLAIN_CHAT_STOPS", "PLAIN_CHAT_TAGS", "PLAIN_CHAT_TEMPLATE", "GenBatch", "GenInput",
            "GeneratorRunner", "Sampling", "TokenEvent"]
@@ -131,11 +138,24 @@ class GeneratorRunner(TorchResidency):
     family = "generator"
 
     def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                 max_prompt_tokens: int = 1024, speculate: int = 0, ngram: int = 3) -> None:
+                 max_prompt_tokens: int = 1024, speculate: int = 0, ngram: int = 3, engine: str = "auto",
+                 slots: int = 64, context: int = 2048, prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.path = str(path)
         self.device = device
         self.dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-        self.max_prompt_tokens = max_prompt_tokens
+        if engine == "auto":
+            engine = "slots" if device.startswith("cuda") else "dynamic"
+        if engine not in ("dynamic", "slots"):
+            raise ValueError(f"engine must be 'auto', 'dynamic' or 'slots', got {engine!r}")
+        for name, value, least in (("slots", slots, 1), ("context", context, 2), ("prefill_chunk", prefill_chunk, 1)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        self.engine = engine
+        self.slots, self.context, self.prefill_chunk, self.graphs = slots, context, prefill_chunk, bool(graphs)
+        # With slots, a prompt leaves its slot at least one column for the first token it samples.
+        self.max_prompt_tokens = min(max_prompt_tokens, context - 1) if engine == "slots" else max_prompt_tokens
+        # Sequences the runner can hold at once (the scheduler runs no more): its slots, else no bound.
+        self.max_rows: int | None = slots if engine == "slots" else None
         # Prompt-lookup speculative decoding: up to ``speculate`` draft tokens copied from an earlier
         # occurrence of the last ``ngram`` tokens, verified in one forward pass. 0 turns it off.
         self.speculate = int(speculate)
@@ -147,8 +167,11 @@ class GeneratorRunner(TorchResidency):
         self.eos: set[int] = set()
         self._specials: re.Pattern[str] | None = None  # the tokenizer's special-token strings, out of chat turns
         self._text_rules: TextRules | None = None  # how the tokenizer decodes, for each row's IncrementalDecoder
-        self.batch: GenBatch | None = None
+        self._batch: GenBatch | None = None  # the dynamic engine's running batch
+        self._slot_batch: SlotBatch | None = None  # the slot engine's, as the core reads it
         self._rows: dict[str, _Row] = {}
+        self._slots: SlotEngine | None = None
+        self._prefilling: list[str] = []  # slot engine: rows whose prompt is not all in their slot yet, oldest first
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -168,6 +191,11 @@ class GeneratorRunner(TorchResidency):
             eos = self.tokenizer.eos_token_id
         self.eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
         self._text_rules = TextRules.of(self.tokenizer)
+        if self.engine == "slots":
+            limit = getattr(self.model.config, "max_position_embeddings", None)
+            if isinstance(limit, int) and limit < self.context:
+                raise ValueError(f"context {self.context} exceeds the model's {limit} positions")
+            self._slots = SlotEngine(self.model, self.slots, self.context, self.device, self.dtype, self.graphs)
 
     def _weights(self) -> Any:
         return self.model
@@ -176,14 +204,20 @@ class GeneratorRunner(TorchResidency):
         if self.batch is not None:
             raise RuntimeError("unload with sequences running: the worker drains a model before it swaps it out")
         self.model = None
+        self._slots = None  # its KV block goes with the weights
         drop_weights(self.device)
 
     def reset(self) -> None:
         """Forget the running batch and every row (after a failed step left them in an unknown state)."""
-        self.batch = None
+        self._batch = self._slot_batch = None
         self._rows.clear()
+        self._prefilling.clear()
+        if self._slots is not None:
+            self._slots.reset()
 
     def warmup(self) -> None:
+        if self._slots is not None:
+            self._slots.warm()  # every bucket's decode step, captured where graphs are
         self.step([GenInput("warmup", "warm up the kernels", Sampling(max_new_tokens=2))], [])
         while self.batch is not None:
             self.step([], [])
@@ -229,29 +263,37 @@ class GeneratorRunner(TorchResidency):
         return min(self.max_prompt_tokens, len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1)
 
     @property
+    def batch(self) -> GenBatch | SlotBatch | None:
+        """The running batch (its ids, and KV columns allocated against used), or None when empty."""
+        return self._slot_batch if self._slots is not None else self._batch
+
+    @property
     def running(self) -> list[str]:
-        return list(self.batch.ids) if self.batch is not None else []
+        batch = self.batch
+        return list(batch.ids) if batch is not None else []
 
     # -- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, admit: list[GenInput], drop: list[str]) -> list[TokenEvent]:
         """Drop rows, decode one token for every running row, prefill the admitted ones."""
-        if drop and self.batch is not None:
-            self.batch = self.batch.filter([i for i in self.batch.ids if i not in set(drop)])
+        if self._slots is not None:
+            return self._slot_step(self._slots, admit, drop)
+        if drop and self._batch is not None:
+            self._batch = self._batch.filter([i for i in self._batch.ids if i not in set(drop)])
         for i in drop:
             self._rows.pop(i, None)
         events: list[TokenEvent] = []
-        if self.batch is not None:
-            drafts = self._propose(self.batch) if self.speculate and not admit else []
-            events += self._verify(self.batch, drafts) if drafts else self._decode(self.batch)
+        if self._batch is not None:
+            drafts = self._propose(self._batch) if self.speculate and not admit else []
+            events += self._verify(self._batch, drafts) if drafts else self._decode(self._batch)
         if admit:
             new = self._prefill(admit)
             events += self._sample(new, self._last_logits)
-            self.batch = new if self.batch is None else GenBatch.concatenate([self.batch, new])
+            self._batch = new if self._batch is None else GenBatch.concatenate([self._batch, new])
         done = {e.id for e in events if e.finish is not None}
-        if done and self.batch is not None:
-            self.batch = self.batch.filter([i for i in self.batch.ids if i not in done])
+        if done and self._batch is not None:
+            self._batch = self._batch.filter([i for i in self._batch.ids if i not in done])
             for i in done:
                 self._rows.pop(i, None)
         return events
@@ -297,15 +339,7 @@ class GeneratorRunner(TorchResidency):
         left = row.sampling.max_new_tokens - len(row.tokens)
         if row.sampling.temperature != 0 or left < 2:
             return []
-        history = row.prompt + row.tokens
-        for n in range(min(self.ngram, len(history) - 1), 0, -1):
-            tail = history[-n:]
-            for start in range(len(history) - n - 1, -1, -1):
-                if history[start : start + n] == tail:
-                    drafts = history[start + n : start + n + min(self.speculate, left - 1)]
-                    if drafts:
-                        return drafts
-        return []
+        return _lookup(row.prompt + row.tokens, self.ngram, min(self.speculate, left - 1))
 
     def _verify(self, batch: GenBatch, drafts: list[int]) -> list[TokenEvent]:
         """Feed the pending token and the drafts at once; keep the drafts the model agrees with."""
@@ -347,13 +381,139 @@ class GeneratorRunner(TorchResidency):
             events.append(self._event(row, token))
         return events
 
-    def _event(self, row: _Row, token: int) -> TokenEvent:
+    # -- the slot engine ---------------------------------------------------------------------
+
+    def _slot_step(self, engine: SlotEngine, admit: list[GenInput], drop: list[str]) -> list[TokenEvent]:
+        """Drop rows; one decode step for every row whose prompt is in its slot; the admitted rows take
+        slots; then up to ``prefill_chunk`` prompt tokens go in, oldest prompt first."""
+        for rid in drop:
+            self._leave(engine, rid)
+        table = engine.table
+        decoding = [rid for rid in table.ids if table.prefilled(rid)]
+        events: list[TokenEvent] = []
+        if decoding:
+            drafts = self._propose_slot(engine, decoding) if self.speculate and not admit else []
+            events += self._verify_slot(engine, decoding[0], drafts) if drafts else self._decode_slots(engine, decoding)
+        for a in admit:
+            prompt = self.tokenizer(a.prompt, add_special_tokens=not a.templated)["input_ids"][-self.max_prompt_tokens:]
+            prompt = prompt or [self.tokenizer.pad_token_id or 0]  # even an empty prompt takes a position
+            table.admit(a.id, len(prompt))
+            text = IncrementalDecoder(self.tokenizer, self.eos, self._text_rules)
+            self._rows[a.id] = _Row(a.id, prompt, a.sampling, _generator(a.id, a.sampling), text)
+            self._prefilling.append(a.id)
+        events += self._prefill_slots(engine)
+        for e in events:
+            if e.finish is not None:
+                self._leave(engine, e.id)
+        self._slot_batch = SlotBatch(table) if len(table) else None
+        return events
+
+    def _leave(self, engine: SlotEngine, rid: str) -> None:
+        if rid in engine.table:
+            engine.release(rid)
+        self._rows.pop(rid, None)
+        if rid in self._prefilling:
+            self._prefilling.remove(rid)
+
+    def _decode_slots(self, engine: SlotEngine, decoding: list[str]) -> list[TokenEvent]:
+        table = engine.table
+        rows = [self._rows[rid] for rid in decoding]
+        slots = [table.slot(rid) for rid in decoding]
+        logits = engine.decode({slot: row.tokens[-1] for slot, row in zip(slots, rows, strict=True)})
+        if slots != list(range(len(slots))):  # rows still prefilling sit between them
+            logits = logits.index_select(0, torch.tensor(slots, device=logits.device))
+        else:
+            logits = logits[: len(slots)]
+        picked = pick_tokens(logits, [(row.sampling, row.generator) for row in rows]).tolist()
+        events = []
+        for rid, row, token in zip(decoding, rows, picked, strict=True):
+            table.grow(rid, 1)  # the token it fed
+            row.tokens.append(token)
+            events.append(self._event(row, token, full=table.room(rid) == 0))
+        return events
+
+    def _prefill_slots(self, engine: SlotEngine) -> list[TokenEvent]:
+        """Up to ``prefill_chunk`` prompt tokens: whole prompts not started yet go in one forward pass
+        together; a prompt that does not fit what is left of the chunk goes in alone, as much as fits."""
+        table = engine.table
+        budget = self.prefill_chunk
+        whole: list[str] = []
+        done: list[tuple[str, torch.Tensor]] = []
+        for rid in list(self._prefilling):
+            if budget <= 0:
+                break
+            left = table.remaining_prompt(rid)
+            if table.length(rid) == 0 and left <= budget:
+                whole.append(rid)
+                budget -= left
+                continue
+            start, n = table.length(rid), min(left, budget)
+            logits = engine.prefill([table.slot(rid)], [self._rows[rid].prompt[start : start + n]], start)
+            table.grow(rid, n)
+            budget -= n
+            if table.prefilled(rid):
+                done.append((rid, logits[0]))
+        if whole:
+            prompts = [self._rows[rid].prompt for rid in whole]
+            logits = engine.prefill([table.slot(rid) for rid in whole], prompts, 0)
+            for i, (rid, prompt) in enumerate(zip(whole, prompts, strict=True)):
+                table.grow(rid, len(prompt))
+                done.append((rid, logits[i]))
+        if not done:
+            return []
+        for rid, _ in done:
+            self._prefilling.remove(rid)
+        rows = [self._rows[rid] for rid, _ in done]
+        picked = pick_tokens(torch.stack([lg for _, lg in done]), [(r.sampling, r.generator) for r in rows]).tolist()
+        events = []
+        for row, token in zip(rows, picked, strict=True):
+            row.tokens.append(token)
+            events.append(self._event(row, token))
+        return events
+
+    def _propose_slot(self, engine: SlotEngine, decoding: list[str]) -> list[int]:
+        """Drafts for a lone greedy row with no prompt waiting, as many as its slot has room for."""
+        if len(decoding) != 1 or self._prefilling:
+            return []
+        row = self._rows[decoding[0]]
+        room = engine.table.room(row.id) - 1  # the pending token takes a column
+        if room < 2:
+            return []
+        left = row.sampling.max_new_tokens - len(row.tokens)
+        if row.sampling.temperature != 0 or left < 2:
+            return []
+        return _lookup(row.prompt + row.tokens, self.ngram, min(self.speculate, left - 1, room - 1))
+
+    def _verify_slot(self, engine: SlotEngine, rid: str, drafts: list[int]) -> list[TokenEvent]:
+        """Feed the pending token and the drafts at once; keep the drafts the model agrees with (the
+        rejected ones' columns are written over later)."""
+        table = engine.table
+        row = self._rows[rid]
+        fed = [row.tokens[-1], *drafts]
+        logits = engine.prefill([table.slot(rid)], [fed], table.length(rid), every=True)
+        greedy = logits[0].argmax(-1).tolist()  # greedy[j]: the model's token after fed[j]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        self.spec_proposed += len(drafts)
+        self.spec_accepted += accepted
+        table.grow(rid, 1 + accepted)
+        events = []
+        for token in [*drafts[:accepted], greedy[accepted]]:
+            row.tokens.append(token)
+            events.append(self._event(row, token, full=table.room(rid) == 0))
+            if events[-1].finish is not None:
+                break
+        return events
+
+    def _event(self, row: _Row, token: int, full: bool = False) -> TokenEvent:
         """The text ``token`` makes final, less a stop sequence (cut, with what follows) and less what could
-        still become one (held back); at the end, everything left."""
+        still become one (held back); at the end, everything left. ``full``: the row's KV slot has no
+        column left to feed ``token``, so the output ends here (``length``)."""
         finish = None
         if token in self.eos:
             finish = "eos"
-        elif len(row.tokens) >= row.sampling.max_new_tokens:
+        elif len(row.tokens) >= row.sampling.max_new_tokens or full:
             finish = "length"
         fresh = row.text.push(token)  # an EOS token is skipped: it adds no text
         if finish is not None:
@@ -394,6 +554,19 @@ def _trie_pattern(words: Iterable[str]) -> str:
         return f"(?:{body})?" if "" in node else body  # greedy: the longer word when both match
 
     return build(trie)
+
+
+def _lookup(history: list[int], ngram: int, most: int) -> list[int]:
+    """Up to ``most`` tokens that followed the latest earlier occurrence of the longest tail n-gram
+    (n from ``ngram`` down to 1) of ``history``: prompt lookup's draft."""
+    for n in range(min(ngram, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == tail:
+                drafts = history[start + n : start + n + most]
+                if drafts:
+                    return drafts
+    return []
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -18,8 +18,12 @@ from kinfer.consumers.runners.registry import minilm_path
 
 
 def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0, eos: bool = True,
-                  chat_template: str | None = PLAIN_CHAT_TEMPLATE) -> Path:
-    """Write a tiny Llama and a tokenizer (with ``chat_template`` as its own) to ``path`` (idempotent)."""
+                  chat_template: str | None = PLAIN_CHAT_TEMPLATE, init: float = 0.02) -> Path:
+    """Write a tiny Llama and a tokenizer (with ``chat_template`` as its own) to ``path`` (idempotent).
+
+    ``init``: the weights' standard deviation. At the default, the greedy continuation of any prompt is the
+    end-of-text token ([SEP]) over and over (with ``eos``, one token and done); from about 0.2 it varies
+    with the prompt and from token to token, as tests that compare token sequences need."""
     if (path / "config.json").exists():
         return path
     tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
@@ -35,6 +39,7 @@ def build_tiny_lm(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 
         eos_token_id=tokenizer.sep_token_id if eos else None,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
+        initializer_range=init,
     )
     torch.manual_seed(seed)
     auto: Any = AutoModelForCausalLM  # untyped in some transformers releases
