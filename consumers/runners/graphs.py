@@ -6,7 +6,8 @@ Python and driver time, while the GPU's own work for a small batch is a millisec
 one, the step is launch-bound. Captured once per batch size and replayed, the whole step is one launch.
 
 The step function reads its inputs from, and writes its outputs to, tensors that live as long as the
-engine (a replay reads and writes the same addresses); it takes the batch size and returns nothing.
+engine (a replay reads and writes the same addresses); it takes the shape it runs at (rows, columns) and
+returns nothing. Each shape gets its own graph.
 ``EagerSteps`` is the stand-in where there is no GPU: the same function, the same buffers, called each
 time, so the CPU exercises exactly the code a graph captures.
 """
@@ -23,14 +24,14 @@ __all__ = ["CudaGraphSteps", "EagerSteps", "StepGraphs", "step_graphs"]
 
 log = logging.getLogger(__name__)
 
-StepFn = Callable[[int], None]
+StepFn = Callable[[int, int], None]
 
 
 class StepGraphs(Protocol):
     captured: int  # graphs captured so far (0 for the stand-in)
 
-    def run(self, size: int) -> None:
-        """One step over the first ``size`` rows of the static buffers."""
+    def run(self, rows: int, columns: int) -> None:
+        """One step over the first ``rows`` rows and ``columns`` columns of the static buffers."""
 
 
 class EagerSteps:
@@ -41,12 +42,12 @@ class EagerSteps:
     def __init__(self, fn: StepFn) -> None:
         self._fn = fn
 
-    def run(self, size: int) -> None:
-        self._fn(size)
+    def run(self, rows: int, columns: int) -> None:
+        self._fn(rows, columns)
 
 
 class CudaGraphSteps:
-    """One CUDA graph per batch size, captured at its first run (the engine runs every size at warm-up).
+    """One CUDA graph per shape, captured at its first run (the engine runs every shape at warm-up).
 
     The graphs share one memory pool, as vLLM's do: they replay one at a time on one stream, and each
     copies what it produces into the engine's own buffers, so what one leaves in the pool is dead before
@@ -58,42 +59,42 @@ class CudaGraphSteps:
         self._fn = fn
         self._device = torch.device(device)
         self._warmups = warmups
-        self._graphs: dict[int, Any] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}
         self._pool: Any = None
         self._eager = False
         self.captured = 0
 
-    def run(self, size: int) -> None:
+    def run(self, rows: int, columns: int) -> None:
         if self._eager:
-            self._fn(size)
+            self._fn(rows, columns)
             return
-        graph = self._graphs.get(size)
+        graph = self._graphs.get((rows, columns))
         if graph is None:
             try:
-                graph = self._capture(size)
+                graph = self._capture(rows, columns)
             except Exception:  # anything the capture refuses: run eagerly instead
                 log.exception("capturing the decode step as a CUDA graph failed: it runs eagerly from now on")
                 self._eager = True
                 self._graphs.clear()
-                self._fn(size)
+                self._fn(rows, columns)
                 return
         graph.replay()
 
-    def _capture(self, size: int) -> Any:
+    def _capture(self, rows: int, columns: int) -> Any:
         # Warm-up runs on a side stream first (lazy initialisation, autotuning), as torch's docs ask.
         cuda: Any = torch.cuda  # typed differently from one torch release to the next
         side = cuda.Stream(self._device)
         side.wait_stream(cuda.current_stream(self._device))
         with cuda.stream(side):
             for _ in range(self._warmups):
-                self._fn(size)
+                self._fn(rows, columns)
         cuda.current_stream(self._device).wait_stream(side)
         if self._pool is None:
             self._pool = cuda.graph_pool_handle()
         graph = cuda.CUDAGraph()
         with cuda.graph(graph, pool=self._pool):
-            self._fn(size)
-        self._graphs[size] = graph
+            self._fn(rows, columns)
+        self._graphs[rows, columns] = graph
         self.captured += 1
         return graph
 

@@ -6,9 +6,10 @@ step has a new shape: nothing can be captured, and each step pays hundreds of la
 the shapes come from a small set. Each layer's keys and values are one tensor ``[slots, kv_heads,
 context, head_dim]``; a sequence holds one row of it from prefill to end (``SlotTable`` says which), and
 its token at position ``p`` lives in column ``p``. Rows grow independently: the step writes each row's new
-column at that row's own position, and an additive mask ``[rows, 1, 1, context]`` lets each row attend to
-its own columns only. A bucket's rows past the held ones are idle: they write column 0 of a free row and
-read it back, harmless and finite.
+column at that row's own position, and an additive mask ``[rows, 1, 1, window]`` lets each row attend to
+its own columns only. The step attends over the first ``window`` columns, the smallest window that holds
+the longest row: it costs what the batch holds, not the context. A bucket's rows past the held ones are
+idle: they write column 0 of a free row and read it back, harmless and finite.
 
 Prefill writes a prompt's columns ``[start, start + n)`` for one row or for several starting at 0 (right
 padded: the padding's columns are written but masked, and overwritten by the row's own decode steps). A
@@ -43,13 +44,14 @@ class SlotCache:
         self.slots, self.context = slots, context
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._size = 0  # decode: rows [0, size), each writing at its own position
+        self._size = 0  # decode: rows [0, size), each writing at its own position, over columns [0, window)
+        self._window = 0
         self._positions: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # prefill: these rows, from column ``_start``
         self._start = 0
 
-    def decode(self, size: int, positions: torch.Tensor) -> None:
-        self._size, self._positions, self._rows = size, positions, None
+    def decode(self, size: int, window: int, positions: torch.Tensor) -> None:
+        self._size, self._window, self._positions, self._rows = size, window, positions, None
 
     def prefill(self, rows: torch.Tensor, start: int) -> None:
         self._rows, self._start = rows, start
@@ -67,7 +69,7 @@ class SlotCache:
             rows = torch.arange(self._size, device=keys.device)
             keys[rows, :, self._positions, :] = key_states[:, :, 0, :]
             values[rows, :, self._positions, :] = value_states[:, :, 0, :]
-            return keys[: self._size], values[: self._size]
+            return keys[: self._size, :, : self._window], values[: self._size, :, : self._window]
         end = self._start + key_states.shape[2]
         keys[self._rows, :, self._start : end, :] = key_states
         values[self._rows, :, self._start : end, :] = value_states
@@ -121,26 +123,28 @@ class SlotEngine:
         self._keeps = keep
         self.steps: StepGraphs = step_graphs(self._decode, device, capture)
 
-    def _decode(self, size: int) -> None:
-        """The captured step: rows [0, size) feed ``_ids`` at ``_positions``; logits into ``_logits``."""
+    def _decode(self, size: int, window: int) -> None:
+        """The captured step: rows [0, size) feed ``_ids`` at ``_positions``, attending over columns [0, window);
+        logits into ``_logits``."""
         positions = self._positions[:size]
-        mask = self._open[:size].masked_fill(self._columns[None, :] > positions[:, None], self._closed)
-        self.cache.decode(size, positions)
+        mask = self._open[:size, :window].masked_fill(self._columns[None, :window] > positions[:, None], self._closed)
+        self.cache.decode(size, window, positions)
         out = self.model(input_ids=self._ids[:size, None], position_ids=positions[:, None],
                          attention_mask=mask[:, None, None, :], past_key_values=self.cache, use_cache=True,
                          **self._keep_last)
         self._logits[:size].copy_(out.logits[:, -1, :])
 
     def warm(self) -> None:
-        """Run (capture) every bucket's step once, over idle rows: nothing is held yet."""
+        """Run (capture) every shape's step once, over idle rows: nothing is held yet."""
         assert len(self.table) == 0
         for size in self.table.buckets:
-            self.steps.run(size)
+            for window in self.table.windows:
+                self.steps.run(size, window)
 
     def decode(self, feed: dict[int, int]) -> torch.Tensor:
         """One step over every held row (``feed``: slot -> the token it feeds; a held row not in it, one
         still prefilling, idles at its current length). Returns the bucket's logits, row = slot."""
-        size = self.table.bucket()
+        size, window = self.table.bucket(), self.table.window()
         ids = [0] * size
         positions = [0] * size
         for rid in self.table.ids:
@@ -154,7 +158,7 @@ class SlotEngine:
         both = host.to(self.device, non_blocking=True)
         self._ids[:size].copy_(both[0])
         self._positions[:size].copy_(both[1])
-        self.steps.run(size)
+        self.steps.run(size, window)
         return self._logits[:size]
 
     def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]], start: int,

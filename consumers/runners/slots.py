@@ -6,6 +6,10 @@ sequence holds one row from its prefill to its end. A decode step runs over the 
 rows are kept packed at the front. When a sequence leaves a row in the middle, the last row moves into
 the hole (``Move``: the engine copies that row's first ``length`` columns).
 
+A step attends over the first ``window`` columns only: the smallest window (64, 128, ... up to ``context``)
+that holds every held row's columns and the one it writes. So a step's cost follows the longest row in
+the batch, not the context, and its shape still comes from a small set (buckets x windows).
+
 A row's ``length`` is the number of tokens its KV columns hold. Prefill writes a prompt's columns a
 chunk at a time (``prefilled`` of ``prompt`` so far); each decode step then writes one column. A row is
 full at ``context`` columns: its next token can be sampled but never fed.
@@ -17,20 +21,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Move", "SlotTable", "bucket_sizes"]
+__all__ = ["MIN_WINDOW", "Move", "SlotTable", "bucket_sizes"]
 
 
-def bucket_sizes(slots: int) -> tuple[int, ...]:
-    """The decode batch sizes graphs are captured for: powers of two up to ``slots``, and ``slots``."""
+def bucket_sizes(slots: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to ``slots``, and ``slots``: the decode batch sizes graphs are
+    captured for (and, from 64, the column windows a step attends over)."""
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
     sizes = []
-    size = 1
+    size = smallest
     while size < slots:
         sizes.append(size)
         size *= 2
     sizes.append(slots)
     return tuple(sizes)
+
+
+MIN_WINDOW = 64  # the narrowest span of columns a decode step attends over
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +64,7 @@ class SlotTable:
         self.slots = slots
         self.context = context
         self.buckets = bucket_sizes(slots)
+        self.windows = bucket_sizes(context, min(MIN_WINDOW, context))
         self._held: dict[str, _Held] = {}
         self._order: list[str] = []  # _order[slot] holds that slot
 
@@ -125,3 +134,8 @@ class SlotTable:
         """The decode batch size covering every held row (0 when none is held)."""
         n = len(self._order)
         return next((b for b in self.buckets if b >= n), 0) if n else 0
+
+    def window(self) -> int:
+        """The columns a decode step attends over: every held row's, and the one each writes next."""
+        needed = max((min(h.length + 1, self.context) for h in self._held.values()), default=1)
+        return next(w for w in self.windows if w >= needed)

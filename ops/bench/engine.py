@@ -67,13 +67,15 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def bench_engine(device: str = "cpu", sizes: EngineSizes | None = None, seed: int = 5) -> dict[str, Any]:
+def bench_engine(device: str = "cpu", sizes: EngineSizes | None = None, seed: int = 5,
+                 engine: str = "auto") -> dict[str, Any]:
+    """``engine``: the generator's (``auto``: slots on a GPU, dynamic on a CPU)."""
     import torch
 
     sizes = sizes or (CPU_SIZES if device == "cpu" else CUDA_SIZES)
     report: dict[str, Any] = {"device": _device_name(device), "torch": torch.__version__,
                               "encoder": bench_encoder(device, sizes)}
-    report["decoder"], report["open_loop"] = bench_decoder(device, sizes, seed)
+    report["decoder"], report["open_loop"] = bench_decoder(device, sizes, seed, engine)
     return report
 
 
@@ -180,19 +182,25 @@ def _sentence_transformers(device: str) -> Any:
 # -- generators ---------------------------------------------------------------------------------------
 
 
-def bench_decoder(device: str, sizes: EngineSizes, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def bench_decoder(device: str, sizes: EngineSizes, seed: int,
+                  engine: str = "auto") -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
 
     from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, Sampling
 
     with _decoder_dir(sizes, device) as path:
-        runner = GeneratorRunner(path, device=device, max_prompt_tokens=512)
+        # Slots for the largest running batch measured; a context for the open loop's longest prompt
+        # (256 words) and output.
+        slots = max(*sizes.decoder_batches, sizes.open_max_running)
+        runner = GeneratorRunner(path, device=device, max_prompt_tokens=512, engine=engine, slots=slots,
+                                 context=1024)
         runner.load()
         runner.warmup()
         weights = sum(t.numel() * t.element_size() for t in runner.model.parameters())
         bandwidth = _bandwidth(device)
         roofline_ms = weights / bandwidth * 1000
         out: dict[str, Any] = {
+            "engine": runner.engine,
             "model": "Llama, " + ", ".join(f"{k} {v}" for k, v in sizes.decoder.items()) + " (random weights)",
             "weight_bytes": weights, "bandwidth_gb_s": round(bandwidth / 1e9, 1),
             "roofline_ms_per_step": round(roofline_ms, 3), "kinfer": {}, "reference": {},

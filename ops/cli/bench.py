@@ -47,12 +47,14 @@ def _engine_args(be: argparse.ArgumentParser) -> None:
     _json_arg(be)
     be.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cpu: small sizes (MiniLM, a 4-layer Llama); cuda: MiniLM and the 1.1B Llama shape [cpu]")
+    be.add_argument("--engine", choices=["auto", "dynamic", "slots"], default="auto",
+                    help="the generator's engine; auto: slots on a GPU, dynamic on a CPU [auto]")
 
 
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
     from kinfer.ops.bench.engine import bench_engine
 
-    return bench_engine(args.device)
+    return bench_engine(args.device, engine=args.engine)
 
 
 def _json_arg(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,8 @@ def test_buckets_are_powers_of_two_up_to_the_slots() -> None:
     assert bucket_sizes(1) == (1,)
     assert bucket_sizes(8) == (1, 2, 4, 8)
     assert bucket_sizes(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert SlotTable(4, context=1000).windows == (64, 128, 256, 512, 1000)
+    assert SlotTable(4, context=16).windows == (16,)
     with pytest.raises(ValueError):
         bucket_sizes(0)
 
@@ -38,8 +40,8 @@ def test_a_prompt_leaves_its_slot_room_for_one_token_and_a_full_table_refuses() 
 
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("admit"), st.integers(1, 15)),
-        st.tuples(st.just("grow"), st.integers(0, 30), st.integers(1, 6)),
+        st.tuples(st.just("admit"), st.integers(1, 99)),
+        st.tuples(st.just("grow"), st.integers(0, 30), st.integers(1, 40)),
         st.tuples(st.just("release"), st.integers(0, 30)),
     ),
     max_size=80,
@@ -54,7 +56,7 @@ def test_rows_stay_packed_and_every_sequence_keeps_its_own_columns_through_moves
     """A simulated KV block follows the table's moves: whatever admits, growths (prefill chunks, decode
     steps), finishes, cancels and evictions come, each held sequence finds exactly its own columns in its
     row, the held rows are the first ones, and the bucket is the smallest that covers them."""
-    context = 16
+    context = 100
     table = SlotTable(slots, context)
     block: list[list[str | None]] = [[None] * context for _ in range(slots)]
     own: dict[str, list[str]] = {}  # what each sequence wrote, in order
@@ -93,3 +95,7 @@ def test_rows_stay_packed_and_every_sequence_keeps_its_own_columns_through_moves
         bucket = table.bucket()
         assert bucket >= len(held)
         assert all(b < len(held) for b in table.buckets if b < bucket)
+        window = table.window()  # every row's columns and the one it writes next, when it has room
+        assert all(window >= min(table.length(r) + 1, context) for r in held)
+        assert all(w < max((min(table.length(r) + 1, context) for r in held), default=1)
+                   for w in table.windows if w < window)
