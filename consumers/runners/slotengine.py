@@ -134,6 +134,7 @@ class SlotEngine:
                          **self._keep_last)
         self._logits[:size].copy_(out.logits[:, -1, :])
 
+    @torch.inference_mode()
     def warm(self) -> None:
         """Run (capture) every shape's step once, over idle rows: nothing is held yet."""
         assert len(self.table) == 0

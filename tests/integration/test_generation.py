@@ -19,13 +19,15 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_lm(tmp_path_factory.mktemp("tiny-lm"), eos=False)
+    return build_tiny_lm(tmp_path_factory.mktemp("tiny-lm"), eos=False, init=0.2)
 
 
+@pytest.mark.parametrize("engine", ["dynamic", "slots"])
 async def test_stream_matches_the_one_shot_result_and_ends_with_usage(
-    client: Client, topics: str, lm_dir: Path, spawn_worker: Callable[..., WorkerProcess]
+    client: Client, topics: str, lm_dir: Path, spawn_worker: Callable[..., WorkerProcess], engine: str
 ) -> None:
-    spawn_worker(topics, "--family", "generator", "--path", str(lm_dir))
+    spawn_worker(topics, "--family", "generator", "--path", str(lm_dir), "--option", f"engine={engine}",
+                 "--option", "slots=4", "--option", "context=256")
     await wait_until_served(client, topics)
     params = {"max_new_tokens": 12}
     chunks = [c async for c in client.stream(topics, "tell me about kafka", params=params, deadline_ms=30_000)]
