@@ -404,9 +404,11 @@ class GenCore(EngineCore):
                  observer: Observer) -> None:
         super().__init__(spec, worker_id, observer)
         self._runner = runner
-        rows = getattr(runner, "max_rows", None)  # a slot engine holds no more sequences than it has slots
-        if rows is not None and policy.max_running > rows:
-            policy = replace(policy, max_running=rows)
+        # A slot engine's slots are its running batch, and its block of slots x context the KV it has:
+        # the scheduler runs that many sequences, each reserving no more than the context it can hold.
+        self._context = runner.max_sequence_tokens
+        if runner.max_rows is not None and self._context is not None:
+            policy = replace(policy, max_running=runner.max_rows, kv_budget_tokens=runner.max_rows * self._context)
         self.scheduler = ContinuousScheduler(policy)
         self._seqs: dict[str, _Running] = {}
         self._drops: list[str] = []  # evicted, still to be removed from the runner's batch
@@ -449,8 +451,11 @@ class GenCore(EngineCore):
         # An estimate that errs high (WordPiece/BPE average 3-4 characters a token): it only
         # reserves KV memory; the prompt itself is truncated to the runner's limit, never cut here.
         prompt_tokens = min(self._runner.max_prompt_tokens, len(prompt) // 3 + 2)
+        max_new = sampling.max_new_tokens
+        if self._context is not None:  # it reserves its slot's columns at most: the output ends there
+            max_new = max(1, min(max_new, self._context - prompt_tokens))
         self.scheduler.add(Sequence(
-            request.id, prompt_tokens=prompt_tokens, max_new_tokens=sampling.max_new_tokens,
+            request.id, prompt_tokens=prompt_tokens, max_new_tokens=max_new,
             priority=int(request.priority), arrival=now, deadline=job.deadline,
         ))
         self._seqs[request.id] = _Running(job, GenInput(request.id, prompt, sampling, templated))

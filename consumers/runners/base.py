@@ -49,6 +49,8 @@ class StepRunner(Runner, Protocol):
     """Generative families: the runner keeps the running batch; each call is one step of it."""
 
     max_prompt_tokens: int  # prompts are truncated to this
+    max_rows: int | None  # sequences it can hold at once (its slots), or None: as many as the KV budget allows
+    max_sequence_tokens: int | None  # prompt + output one sequence can hold (its slot's context), or None
     spec_proposed: int  # speculative draft tokens verified so far
     spec_accepted: int  # of those, accepted
 

@@ -156,6 +156,7 @@ class GeneratorRunner(TorchResidency):
         self.max_prompt_tokens = min(max_prompt_tokens, context - 1) if engine == "slots" else max_prompt_tokens
         # Sequences the runner can hold at once (the scheduler runs no more): its slots, else no bound.
         self.max_rows: int | None = slots if engine == "slots" else None
+        self.max_sequence_tokens: int | None = context if engine == "slots" else None
         # Prompt-lookup speculative decoding: up to ``speculate`` draft tokens copied from an earlier
         # occurrence of the last ``ngram`` tokens, verified in one forward pass. 0 turns it off.
         self.speculate = int(speculate)

@@ -88,6 +88,8 @@ class FakeGenerator:
 
     def __init__(self, max_prompt_tokens: int = 256, fail: bool = False) -> None:
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_rows: int | None = None
+        self.max_sequence_tokens: int | None = None
         self.spec_proposed = 0
         self.spec_accepted = 0
         self.batch = None
@@ -459,6 +461,22 @@ def test_gen_a_request_too_large_for_the_kv_budget_is_invalid() -> None:
     [r] = replies
     assert r.terminal and isinstance(r.message, Result) and r.message.status is Status.INVALID
     assert "big" not in runner.ever
+
+
+def test_gen_a_slot_engine_runs_as_many_sequences_as_slots_each_within_its_context() -> None:
+    """A runner with slots: the scheduler runs that many at once, whatever the policy said, and a request
+    asking for more tokens than a slot holds is served (its output ends where the slot is full), not
+    refused as too large for a KV budget."""
+    runner, observer = FakeGenerator(), RecordingObserver()
+    runner.max_rows, runner.max_sequence_tokens = 3, 40
+    core = GenCore(ModelSpec("m", "generator"), cast(GeneratorRunner, runner),
+                   GenPolicy(max_running=16, kv_budget_tokens=64), "w1", observer)
+    assert (core.scheduler.policy.max_running, core.scheduler.policy.kv_budget_tokens) == (3, 120)
+    for i in range(5):
+        assert core.admit(job(request(f"r{i}", params={"max_new_tokens": 1000}), offset=i), T0)
+    core.next(T0)
+    assert len(core.scheduler.running) == 3
+    assert all(s.reserved == 40 for s in core.scheduler.running)
 
 
 def test_gen_a_failing_step_fails_the_sequences_in_it_and_the_core_serves_on() -> None:
