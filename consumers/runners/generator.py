@@ -37,7 +37,7 @@ from kinfer.consumers.runners.base import TorchResidency, choose_attention, drop
 from kinfer.consumers.runners.detok import IncrementalDecoder, TextRules
 from kinfer.consumers.runners.devsample import pick_tokens
 from kinfer.consumers.runners.sampling import GenInput, Sampling, TokenEvent
-from kinfer.consumers.runners.slotengine import SlotBatch, SlotEngine
+from kinfer.consumers.runners.slotengine import PREFILL_ROWS, SlotBatch, SlotEngine
 
 __all__ = ["MAX_STRIP_PASSES", "PLAIN_CHAT_STOPS", "PLAIN_CHAT_TAGS", "PLAIN_CHAT_TEMPLATE", "GenBatch", "GenInput",
            "GeneratorRunner", "Sampling", "TokenEvent"]
@@ -454,10 +454,11 @@ class GeneratorRunner(TorchResidency):
             budget -= n
             if table.prefilled(rid):
                 done.append((rid, logits[0]))
-        if whole:
-            prompts = [self._rows[rid].prompt for rid in whole]
-            logits = engine.prefill([table.slot(rid) for rid in whole], prompts, 0)
-            for i, (rid, prompt) in enumerate(zip(whole, prompts, strict=True)):
+        for first in range(0, len(whole), PREFILL_ROWS):
+            group = whole[first : first + PREFILL_ROWS]
+            prompts = [self._rows[rid].prompt for rid in group]
+            logits = engine.prefill([table.slot(rid) for rid in group], prompts, 0)
+            for i, (rid, prompt) in enumerate(zip(group, prompts, strict=True)):
                 table.grow(rid, len(prompt))
                 done.append((rid, logits[i]))
         if not done:

@@ -32,7 +32,9 @@ import torch
 from kinfer.consumers.runners.graphs import StepGraphs, step_graphs
 from kinfer.consumers.runners.slots import SlotTable
 
-__all__ = ["SlotBatch", "SlotCache", "SlotEngine"]
+__all__ = ["PREFILL_ROWS", "SlotBatch", "SlotCache", "SlotEngine"]
+
+PREFILL_ROWS = 8  # whole prompts prefilled in one forward pass (its logits take rows² x vocab)
 
 
 class SlotCache:
@@ -73,7 +75,7 @@ class SlotCache:
         end = self._start + key_states.shape[2]
         keys[self._rows, :, self._start : end, :] = key_states
         values[self._rows, :, self._start : end, :] = value_states
-        return keys[self._rows], values[self._rows]
+        return keys[self._rows, :, :end], values[self._rows, :, :end]  # the columns written so far
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always given explicitly
@@ -113,6 +115,10 @@ class SlotEngine:
         self.cache = SlotCache(slots, context)
         self._ids = torch.zeros(slots, dtype=torch.long, device=device)
         self._positions = torch.zeros(slots, dtype=torch.long, device=device)
+        # Each step's ids and positions go in from here (pinned on a GPU: the copy does not wait). Reused:
+        # a step's copy has finished before the next fills it, since every step ends with its tokens on
+        # the host.
+        self._host = torch.zeros(2, slots, dtype=torch.long, pin_memory=device.startswith("cuda"))
         self._columns = torch.arange(context, device=device)
         self._open = torch.zeros(slots, context, dtype=dtype, device=device)
         self._closed = torch.finfo(dtype).min
@@ -153,24 +159,25 @@ class SlotEngine:
             positions[slot] = self.table.length(rid)
         for slot, token in feed.items():
             ids[slot] = token
-        host = torch.tensor([ids, positions], dtype=torch.long)
-        if self.device != "cpu":
-            host = host.pin_memory()
-        both = host.to(self.device, non_blocking=True)
-        self._ids[:size].copy_(both[0])
-        self._positions[:size].copy_(both[1])
+        self._host[:, :size] = torch.tensor([ids, positions], dtype=torch.long)
+        self._ids[:size].copy_(self._host[0, :size], non_blocking=True)
+        self._positions[:size].copy_(self._host[1, :size], non_blocking=True)
         self.steps.run(size, window)
         return self._logits[:size]
 
     def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]], start: int,
                 every: bool = False) -> torch.Tensor:
         """Write ``chunks`` (one per slot, right padded) into their rows from column ``start``. Returns each
-        chunk's last logits [rows, vocab], or with ``every`` each position's [rows, length, vocab]."""
+        chunk's last logits [rows, vocab], or with ``every`` each position's [rows, length, vocab].
+
+        The model computes logits at every chunk's last position for every row ([rows, rows, vocab]: the
+        positions to keep are one list for the whole batch), so callers pass at most ``PREFILL_ROWS``."""
         width = max(len(c) for c in chunks)
         ids = torch.tensor([[*c, *([0] * (width - len(c)))] for c in chunks], device=self.device)
         positions = torch.arange(start, start + width, device=self.device)
-        mask = torch.zeros(width, self.table.context, dtype=self._open.dtype, device=self.device)
-        mask = mask.masked_fill(self._columns[None, :] > positions[:, None], self._closed)
+        end = start + width  # attention runs over the columns written so far, not the whole context
+        mask = torch.zeros(width, end, dtype=self._open.dtype, device=self.device)
+        mask = mask.masked_fill(self._columns[None, :end] > positions[:, None], self._closed)
         rows = torch.tensor(list(slots), device=self.device)
         self.cache.prefill(rows, start)
         lasts = torch.tensor([len(c) - 1 for c in chunks], device=self.device)

@@ -11,6 +11,7 @@ import torch
 from kinfer.batcher import GenPolicy
 from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, Sampling, TokenEvent
 from kinfer.consumers.runners.graphs import EagerSteps, step_graphs
+from kinfer.consumers.runners.slotengine import PREFILL_ROWS
 from kinfer.consumers.runners.tinylm import build_tiny_lm
 from tests.unit.consumers.runners.test_generator import PROMPTS, drive, echo_lm_dir, reference
 
@@ -54,6 +55,16 @@ def test_greedy_tokens_match_generate_through_chunked_prefill_joins_and_leaves(l
     assert max(rows) == 4 and runner.batch is None
     # r1's 14-token prompt took two steps of prefill: its last token came a step after r0's would have.
     assert finished["r1"] > lengths[1] - 1
+
+
+def test_more_prompts_than_one_prefill_pass_takes_arrive_together(lm_dir: Path) -> None:
+    runner = slot_runner(lm_dir, slots=12, prefill_chunk=4096)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(PREFILL_ROWS + 2)]
+    arrivals = {0: [(f"p{i}", prompt, 5) for i, prompt in enumerate(prompts)]}
+    tokens, _, rows = drive(runner, arrivals, GenPolicy(max_running=12))
+    assert rows[0] == len(prompts)  # every one prefilled in the first step
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"p{i}"] == reference(runner, prompt, 5), f"p{i} differs"
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_running_row_keeps_decoding(lm_dir: Path) -> None:
