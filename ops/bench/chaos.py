@@ -33,7 +33,9 @@ the worst its kind cost here, and the time between at the availability outside f
 other on fresh stacks: ``no-hedging`` (the client never hedges nor avoids a partition),
 ``no-failover`` (Kafka's default broker failover timings), ``no-static`` (workers join as dynamic
 members: a restarted worker waits out its old self's session), ``no-answered`` (the lag monitor counts
-queues from committed offsets alone: a commit stall reads as a stopped model).
+queues from committed offsets alone: a commit stall reads as a stopped model), ``no-careful`` (a worker
+taking over the partitions of one killed works their next records as usual, not each alone: what the
+poison guard costs a SIGKILL).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_s
 
 FAULTS = ("worker_sigkill", "worker_sigstop", "broker_sigkill", "broker_slow", "redis_sigkill", "redis_slow",
           "lagmon_sigkill", "telemetry_sigkill")
-VARIANTS = ("all", "no-hedging", "no-failover", "no-static", "no-answered")
+VARIANTS = ("all", "no-hedging", "no-failover", "no-static", "no-answered", "no-careful")
 MODEL = "chaos"
 KINDS = ("ok", "refused", "expired", "error", "unaccepted", "timed_out")  # how a request can end
 
@@ -88,6 +90,7 @@ class ChaosConfig:
     failover: bool = True
     static: bool = True
     answered: bool = True  # the lag monitor reads the workers' answered reports, not committed offsets alone
+    careful: bool = True  # the poison guard: after an owner's SIGKILL, its partitions' next records alone
 
     def variant(self, name: str) -> ChaosConfig:
         if name == "all":
@@ -100,6 +103,8 @@ class ChaosConfig:
             return replace(self, static=False)
         if name == "no-answered":
             return replace(self, answered=False)
+        if name == "no-careful":
+            return replace(self, careful=False)
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
@@ -184,7 +189,8 @@ class _Fleet:
 
     def start(self) -> None:
         c = self.config
-        args = ["--family", "noop", "--option", f"compute_ms={c.compute_ms}", "--max-batch-size", str(c.max_batch)]
+        args = ["--family", "noop", "--option", f"compute_ms={c.compute_ms}", "--max-batch-size", str(c.max_batch),
+                *([] if c.careful else ["--careful-records", "0"])]
         for i in range(c.workers):
             extra = [*args, *(["--instance-id", f"chaos-{i}"] if c.static else [])]
             self.supervisor.add(f"worker-{i}", lambda extra=extra, i=i: spawn_worker(  # type: ignore[misc]
