@@ -249,12 +249,19 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
     keep = timedelta(milliseconds=kept_ms(window_s))
     configs = changelog_configs(app_id, window_s)
 
+    # Every topic here has one partition, so a table's writes go to its changelog's only partition through
+    # the producer's partitioner (``use_partitioner``) rather than faust's copy of the source partition,
+    # which first checks both topics' partition counts in the consumer's metadata. On a fresh cluster of
+    # several brokers, the changelogs the processor has just made show there without partitions (no leader
+    # yet), and that metadata stays until it is next refreshed, minutes later: every write failed the check.
     def windowed(name: str, default: type) -> Any:
-        table = app.Table(name, default=default, extra_topic_configs=configs[changelog(app_id, name)])
+        table = app.Table(name, default=default, extra_topic_configs=configs[changelog(app_id, name)],
+                          use_partitioner=True)
         return table.tumbling(window_s, expires=keep)
 
     def latest(name: str) -> Any:
-        return app.Table(name, default=int, extra_topic_configs=configs[changelog(app_id, name)])
+        return app.Table(name, default=int, extra_topic_configs=configs[changelog(app_id, name)],
+                         use_partitioner=True)
 
     tables = Aggregator(
         window_s=window_s,

@@ -17,9 +17,12 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from kinfer.ops.localstack.procs import wait_until_served
 from kinfer.ops.localstack.stack import LocalStack, StackInfo
 from kinfer.producers import Client
+from kinfer.topics import now_ms
 from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
 from kinfer.topics.names import request_topic
+from kinfer.topics.stats import BatchStats
 from tests.integration.conftest import WorkerProcess
+from tests.integration.test_telemetry import Telemetry, publish, wait_ready, wait_summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -86,3 +89,24 @@ async def test_topics_follow_the_cluster_and_one_broker_down_loses_nothing(
             assert (await client.infer(model, ["after"], deadline_ms=60_000)).ok
     finally:
         worker.stop()
+
+
+async def test_a_new_telemetry_processor_counts_from_its_first_record_on_three_brokers(
+    cluster: tuple[LocalStack, StackInfo], tmp_path: Path
+) -> None:
+    """A processor that makes its changelog topics on a fresh cluster of three counts what it reads at
+    once: the moment after it made them, its consumer may see them without partitions yet (no leader
+    elected), which faust's partition check reads as a mismatch on every write to a table."""
+    _, info = cluster
+    await ensure_topics(info.bootstrap, shared_topic_specs())
+    telemetry = Telemetry(info, tmp_path, f"kinfer-telemetry-fresh-{uuid.uuid4().hex[:6]}")
+    telemetry.start()
+    try:
+        await wait_ready(info, telemetry)
+        model = f"t-{uuid.uuid4().hex[:8]}"
+        await publish(info, [BatchStats(model, "w0", now_ms(), size=4, requests=4, compute_ms=2.0) for _ in range(5)])
+        summary = await wait_summary(info, model, lambda s: s.inputs_rps > 0, telemetry)
+        assert summary.workers == 1
+        assert "could not be counted" not in telemetry.log_path.read_text(errors="replace")
+    finally:
+        telemetry.stop()
