@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -139,7 +140,7 @@ class GeneratorRunner(TorchResidency):
 
     def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
                  max_prompt_tokens: int = 1024, speculate: int = 0, ngram: int = 3, engine: str = "auto",
-                 slots: int = 64, context: int = 2048, prefill_chunk: int = 512, graphs: bool = True) -> None:
+                 slots: int = 64, context: int | None = None, prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.path = str(path)
         self.device = device
         self.dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
@@ -147,6 +148,12 @@ class GeneratorRunner(TorchResidency):
             engine = "slots" if device.startswith("cuda") else "dynamic"
         if engine not in ("dynamic", "slots"):
             raise ValueError(f"engine must be 'auto', 'dynamic' or 'slots', got {engine!r}")
+        # The slot engine's context: as given, else 2,048 tokens or the model's positions if fewer.
+        limit = _positions(self.path)
+        if context is None:
+            context = min(DEFAULT_CONTEXT, limit or DEFAULT_CONTEXT)
+        elif limit is not None and context > limit and engine == "slots":
+            raise ValueError(f"context {context} exceeds the model's {limit} positions")
         for name, value, least in (("slots", slots, 1), ("context", context, 2), ("prefill_chunk", prefill_chunk, 1)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
@@ -193,9 +200,6 @@ class GeneratorRunner(TorchResidency):
         self.eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
         self._text_rules = TextRules.of(self.tokenizer)
         if self.engine == "slots":
-            limit = getattr(self.model.config, "max_position_embeddings", None)
-            if isinstance(limit, int) and limit < self.context:
-                raise ValueError(f"context {self.context} exceeds the model's {limit} positions")
             self._slots = SlotEngine(self.model, self.slots, self.context, self.device, self.dtype, self.graphs)
 
     def _weights(self) -> Any:
@@ -536,6 +540,23 @@ class GeneratorRunner(TorchResidency):
         row.unsent = text[max(sent, end):]
         row.sent_tail = (row.sent_tail + delta)[-max(len(s) for s in stops):]
         return TokenEvent(row.id, token, delta, finish, row.prompt_tokens, len(row.tokens))
+
+
+DEFAULT_CONTEXT = 2_048  # the slot engine's context when neither the option nor the model says less
+
+
+def _positions(path: str) -> int | None:
+    """The positions a model's config allows (``max_position_embeddings``, GPT-2's ``n_positions``), read
+    from its ``config.json`` without loading anything; None when it does not say."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
 
 
 def _trie_pattern(words: Iterable[str]) -> str:

@@ -170,10 +170,14 @@ def test_slot_options_are_checked(lm_dir: Path) -> None:
         GeneratorRunner(lm_dir, engine="paged")
     with pytest.raises(ValueError, match="slots"):
         GeneratorRunner(lm_dir, engine="slots", slots=0)
-    runner = GeneratorRunner(lm_dir, engine="slots", context=4096)
     with pytest.raises(ValueError, match="positions"):
-        runner.load()  # the tiny LM has 2048
+        GeneratorRunner(lm_dir, engine="slots", context=4096)  # the tiny LM has 2048
     assert GeneratorRunner(lm_dir, engine="slots", context=100, max_prompt_tokens=1024).max_prompt_tokens == 99
+    assert GeneratorRunner(lm_dir, engine="slots").context == 2048
+    short = lm_dir.parent / "short-lm"
+    short.mkdir(exist_ok=True)
+    (short / "config.json").write_text('{"n_positions": 1024}')  # GPT-2's key: a model shorter than the default
+    assert GeneratorRunner(short, engine="slots").max_sequence_tokens == 1024
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
