@@ -205,6 +205,21 @@ class GeneratorRunner(TorchResidency):
     def _weights(self) -> Any:
         return self.model
 
+    def footprint_bytes(self) -> int:
+        """The weights, and the slot engine's KV block (allocated at warm-up): both hold the device."""
+        return super().footprint_bytes() + (self._slots.cache.nbytes if self._slots is not None else 0)
+
+    def offload(self) -> None:
+        """Weights to host RAM; on a GPU the KV block is given back (the next warm-up makes it again)."""
+        if self._slots is not None and self.device != "cpu":
+            self._slots = None
+        super().offload()
+
+    def restore(self) -> None:
+        super().restore()
+        if self.engine == "slots" and self._slots is None and self.model is not None:
+            self._slots = SlotEngine(self.model, self.slots, self.context, self.device, self.dtype, self.graphs)
+
     def unload(self) -> None:
         if self.batch is not None:
             raise RuntimeError("unload with sequences running: the worker drains a model before it swaps it out")

@@ -193,3 +193,11 @@ def test_captured_decode_steps_give_the_eager_tokens(lm_dir: Path) -> None:
     table = graphs._slots.table if graphs._slots is not None else None
     assert table is not None and graphs._slots.steps.captured == len(table.buckets) * len(table.windows)
     assert tokens[0] == tokens[1]
+
+
+def test_the_footprint_counts_the_kv_block_with_the_weights(lm_dir: Path) -> None:
+    dynamic = GeneratorRunner(lm_dir, dtype=torch.float64)
+    dynamic.load()
+    runner = slot_runner(lm_dir, slots=4, context=96)
+    # 2 layers x keys and values x 4 slots x 2 KV heads x 96 columns x 16 dims x 8 bytes
+    assert runner.footprint_bytes() - dynamic.footprint_bytes() == 2 * 2 * 4 * 2 * 96 * 16 * 8
