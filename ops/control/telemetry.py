@@ -222,6 +222,22 @@ def changelog_configs(app_id: str, window_s: float) -> dict[str, dict[str, str]]
     return {changelog(app_id, t): rolled if t in WINDOWED_TABLES else hourly for t in WINDOWED_TABLES + LATEST_TABLES}
 
 
+class OnePartitionTable(faust.Table[Any, Any]):
+    """A faust table whose changelog a fresh cluster has not shown its consumer yet still takes writes.
+
+    Before a table's first write from a source topic, faust compares the partitions of the source and of
+    the changelog in its consumer's metadata. A changelog the processor has just made on a cluster of
+    several brokers shows there with 0 partitions (no leader elected yet), and that metadata stays until
+    its next refresh, minutes later: every write failed the check and nothing was counted. Here a count
+    not known yet passes (the write itself waits for the producer's metadata); a known mismatch is
+    still refused, as faust does."""
+
+    def _verify_source_topic_partitions(self, source_topic: str) -> None:
+        if not self.app.consumer.topic_partitions(self.changelog_topic_name):
+            return
+        super()._verify_source_topic_partitions(source_topic)
+
+
 def _credentials(auth: KafkaAuth) -> Any:
     """This process's Kafka security settings (topics.connect) in faust's terms."""
     context = auth.options().get("ssl_context")
@@ -239,7 +255,7 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
         raise ValueError(f"window_s must be a whole number of seconds >= 1, got {window_s}")
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", broker_credentials=_credentials(KafkaAuth.from_env()),
-        store="memory://", topic_partitions=1, topic_replication_factor=replication,
+        store="memory://", topic_partitions=1, topic_replication_factor=replication, Table=OnePartitionTable,
         web_enabled=False, datadir=data_dir or f"/tmp/{app_id}-data", producer_acks=-1,
         # A new processor starts at the end of kinfer.stats (its windows are about now); a restarted
         # one resumes from its committed offsets and changelogs.
@@ -249,19 +265,12 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
     keep = timedelta(milliseconds=kept_ms(window_s))
     configs = changelog_configs(app_id, window_s)
 
-    # Every topic here has one partition, so a table's writes go to its changelog's only partition through
-    # the producer's partitioner (``use_partitioner``) rather than faust's copy of the source partition,
-    # which first checks both topics' partition counts in the consumer's metadata. On a fresh cluster of
-    # several brokers, the changelogs the processor has just made show there without partitions (no leader
-    # yet), and that metadata stays until it is next refreshed, minutes later: every write failed the check.
     def windowed(name: str, default: type) -> Any:
-        table = app.Table(name, default=default, extra_topic_configs=configs[changelog(app_id, name)],
-                          use_partitioner=True)
+        table = app.Table(name, default=default, extra_topic_configs=configs[changelog(app_id, name)])
         return table.tumbling(window_s, expires=keep)
 
     def latest(name: str) -> Any:
-        return app.Table(name, default=int, extra_topic_configs=configs[changelog(app_id, name)],
-                         use_partitioner=True)
+        return app.Table(name, default=int, extra_topic_configs=configs[changelog(app_id, name)])
 
     tables = Aggregator(
         window_s=window_s,

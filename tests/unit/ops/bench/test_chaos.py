@@ -48,7 +48,7 @@ def test_recovery_ends_at_the_first_quiet_stretch() -> None:
 @pytest.mark.parametrize("name", VARIANTS)
 def test_each_variant_switches_off_one_mechanism(name: str) -> None:
     c = ChaosConfig().variant(name)
-    off = [k for k in ("hedging", "failover", "static", "answered") if not getattr(c, k)]
+    off = [k for k in ("hedging", "failover", "static", "answered", "careful") if not getattr(c, k)]
     assert off == ([] if name == "all" else [name.removeprefix("no-")])
     with pytest.raises(ValueError):
         ChaosConfig().variant("no-such")
