@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -89,9 +90,35 @@ def fetch_kafka(cache: Path | None = None) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now on 127.0.0.1, for a process about to bind it. It is drawn below the kernel's
+    ephemeral range: outgoing connections are given ports from that range, so between this answer and
+    the bind none of them can take it (one took bind(0)'s answer now and then, and a worker died of
+    "Address already in use")."""
+    low = ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(200 if low > FIRST_PORT + 1_000 else 0):
+        port = rng.randrange(FIRST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a range set so low that there is no room below it
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+FIRST_PORT = 10_000  # free_port draws from here up to the ephemeral range
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32_768, 60_999
+    return low, high
 
 
 def process_alive(pid: int, needle: str) -> bool:
