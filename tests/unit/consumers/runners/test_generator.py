@@ -161,11 +161,15 @@ def echo_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_lm(tmp_path_factory.mktemp("echo-lm"), eos=False)
 
 
+@pytest.mark.parametrize("engine", ["dynamic", "slots"])
 @pytest.mark.parametrize("model", ["diverse", "echo"])
 def test_speculative_decoding_changes_nothing_but_the_number_of_steps(
-    model: str, lm_dir: Path, echo_lm_dir: Path
+    model: str, engine: str, lm_dir: Path, echo_lm_dir: Path
 ) -> None:
-    runner = GeneratorRunner(lm_dir if model == "diverse" else echo_lm_dir, dtype=torch.float64, speculate=4)
+    """On either engine: accepted drafts (the echo model) save steps; rejected ones (the diverse model)
+    leave the cache (dynamic) or are written over (slots)."""
+    runner = GeneratorRunner(lm_dir if model == "diverse" else echo_lm_dir, dtype=torch.float64, speculate=4,
+                             engine=engine, slots=4, context=160)
     runner.load()
     prompt = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
     n = 24
