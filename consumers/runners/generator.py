@@ -199,7 +199,10 @@ class GeneratorRunner(TorchResidency):
             eos = self.tokenizer.eos_token_id
         self.eos = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
         self._text_rules = TextRules.of(self.tokenizer)
-        if self.engine == "slots":
+        self._make_slots()
+
+    def _make_slots(self) -> None:
+        if self.engine == "slots" and self._slots is None and self.model is not None:
             self._slots = SlotEngine(self.model, self.slots, self.context, self.device, self.dtype, self.graphs)
 
     def _weights(self) -> Any:
@@ -217,8 +220,7 @@ class GeneratorRunner(TorchResidency):
 
     def restore(self) -> None:
         super().restore()
-        if self.engine == "slots" and self._slots is None and self.model is not None:
-            self._slots = SlotEngine(self.model, self.slots, self.context, self.device, self.dtype, self.graphs)
+        self._make_slots()
 
     def unload(self) -> None:
         if self.batch is not None:
@@ -319,8 +321,7 @@ class GeneratorRunner(TorchResidency):
         return events
 
     def _prefill(self, admit: list[GenInput]) -> GenBatch:
-        encoded = [self.tokenizer(a.prompt, add_special_tokens=not a.templated)["input_ids"][-self.max_prompt_tokens:]
-                   for a in admit]
+        encoded = [self._enter(a).prompt for a in admit]
         length = max(len(e) for e in encoded)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = torch.tensor([[pad] * (length - len(e)) + e for e in encoded], device=self.device)
@@ -330,11 +331,17 @@ class GeneratorRunner(TorchResidency):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self._cache_kw: cache})
         self._last_logits = out.logits[:, -1, :]
-        for a, e in zip(admit, encoded, strict=True):
-            text = IncrementalDecoder(self.tokenizer, self.eos, self._text_rules)
-            self._rows[a.id] = _Row(a.id, e, a.sampling, _generator(a.id, a.sampling), text)
         lengths = mask.sum(-1)
         return GenBatch([a.id for a in admit], cache, mask, lengths.clone(), lengths.clone())
+
+    def _enter(self, a: GenInput) -> _Row:
+        """A new sequence's row: its prompt tokenized (as rendered when templated) and cut to the last
+        ``max_prompt_tokens``; even an empty prompt keeps one token, a position to start from."""
+        prompt = self.tokenizer(a.prompt, add_special_tokens=not a.templated)["input_ids"][-self.max_prompt_tokens:]
+        prompt = prompt or [self.tokenizer.pad_token_id or 0]
+        text = IncrementalDecoder(self.tokenizer, self.eos, self._text_rules)
+        row = self._rows[a.id] = _Row(a.id, prompt, a.sampling, _generator(a.id, a.sampling), text)
+        return row
 
     def _decode(self, batch: GenBatch) -> list[TokenEvent]:
         mask = torch.nn.functional.pad(batch.attention_mask, (0, 1), value=1)
@@ -353,13 +360,17 @@ class GeneratorRunner(TorchResidency):
         low load) and outputs repeat their input (code edits, extraction, summaries that quote).
         With several rows, the batch itself already fills the device, so it is not tried.
         """
-        if len(batch) != 1:
+        return self._drafts(self._rows[batch.ids[0]]) if len(batch) == 1 else []
+
+    def _drafts(self, row: _Row, room: int | None = None) -> list[int]:
+        """Up to ``speculate`` drafts for a greedy row, leaving its last token to the model, and no more
+        than ``room`` (columns its slot has left past the pending token)."""
+        most = min(self.speculate, row.sampling.max_new_tokens - len(row.tokens) - 1)
+        if room is not None:
+            most = min(most, room - 1)
+        if row.sampling.temperature != 0 or most < 1:
             return []
-        row = self._rows[batch.ids[0]]
-        left = row.sampling.max_new_tokens - len(row.tokens)
-        if row.sampling.temperature != 0 or left < 2:
-            return []
-        return _lookup(row.prompt + row.tokens, self.ngram, min(self.speculate, left - 1))
+        return _lookup(row.prompt + row.tokens, self.ngram, most)
 
     def _verify(self, batch: GenBatch, drafts: list[int]) -> list[TokenEvent]:
         """Feed the pending token and the drafts at once; keep the drafts the model agrees with."""
@@ -415,11 +426,7 @@ class GeneratorRunner(TorchResidency):
             drafts = self._propose_slot(engine, decoding) if self.speculate and not admit else []
             events += self._verify_slot(engine, decoding[0], drafts) if drafts else self._decode_slots(engine, decoding)
         for a in admit:
-            prompt = self.tokenizer(a.prompt, add_special_tokens=not a.templated)["input_ids"][-self.max_prompt_tokens:]
-            prompt = prompt or [self.tokenizer.pad_token_id or 0]  # even an empty prompt takes a position
-            table.admit(a.id, len(prompt))
-            text = IncrementalDecoder(self.tokenizer, self.eos, self._text_rules)
-            self._rows[a.id] = _Row(a.id, prompt, a.sampling, _generator(a.id, a.sampling), text)
+            table.admit(a.id, len(self._enter(a).prompt))
             self._prefilling.append(a.id)
         events += self._prefill_slots(engine)
         for e in events:
@@ -496,14 +503,7 @@ class GeneratorRunner(TorchResidency):
         """Drafts for a lone greedy row with no prompt waiting, as many as its slot has room for."""
         if len(decoding) != 1 or self._prefilling:
             return []
-        row = self._rows[decoding[0]]
-        room = engine.table.room(row.id) - 1  # the pending token takes a column
-        if room < 2:
-            return []
-        left = row.sampling.max_new_tokens - len(row.tokens)
-        if row.sampling.temperature != 0 or left < 2:
-            return []
-        return _lookup(row.prompt + row.tokens, self.ngram, min(self.speculate, left - 1, room - 1))
+        return self._drafts(self._rows[decoding[0]], room=engine.table.room(decoding[0]) - 1)  # less the pending token
 
     def _verify_slot(self, engine: SlotEngine, rid: str, drafts: list[int]) -> list[TokenEvent]:
         """Feed the pending token and the drafts at once; keep the drafts the model agrees with (the
