@@ -126,6 +126,82 @@ def _time_out(waiter: asyncio.Future[Any]) -> None:
         waiter.set_exception(TimeoutError())
 
 
+class _Copies:
+    """One request's copies on the broker and its hedge timer, driven by callbacks (``Client._exchange``).
+
+    A copy's send task tells when the broker took it or refused it; when every copy sent was refused
+    and none taken, the refusal fails the reply's future, which is the answer. The hedge timer fires
+    at the hedge delay after the last copy (or, put off, twice as long each time) and asks the client
+    for another copy while the reply is still awaited.
+    """
+
+    __slots__ = ("_client", "_data", "_delay", "_headers", "_partitions", "_put_off", "_request", "_timer",
+                 "_topic", "_wait", "_waiter", "accepted", "refusal", "refused", "sends", "sent")
+
+    def __init__(self, client: Client, topic: str, data: bytes, request: Request,
+                 headers: list[tuple[str, bytes]] | None, waiter: asyncio.Future[Result],
+                 partitions: list[int] | None, delay: float | None) -> None:
+        self._client, self._topic, self._data, self._request, self._headers = client, topic, data, request, headers
+        self._waiter, self._partitions = waiter, partitions
+        self._delay = self._wait = delay  # wait: until the next look for a hedge (doubles while put off)
+        self._put_off = False  # a hedge was due with nowhere better to go
+        self._timer: asyncio.TimerHandle | None = None
+        self.sends: set[asyncio.Task[None]] = set()  # copies the broker has not answered yet
+        self.sent: list[tuple[int | None, float]] = []  # where each copy went, and when
+        self.accepted = False  # the broker took a copy
+        self.refusal: BaseException | None = None  # the first copy the broker refused
+        self.refused = False  # ... failed the reply's future: no copy was taken
+
+    def send(self, partition: int | None, now: float) -> None:
+        """One more copy to ``partition``, and the hedge timer set from now."""
+        task = self._client._spawn_send(self._topic, self._data, self._request, self._headers, partition)
+        task.add_done_callback(self._done)
+        self.sends.add(task)
+        self.sent.append((partition, now))
+        if self._wait is not None:
+            self._arm(self._wait)
+
+    def _arm(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + seconds, self._due)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.sends.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            self.accepted = True
+            return
+        self.refusal = self.refusal or error
+        if not self.sends and not self.accepted and not self._waiter.done():
+            self.refused = True
+            self._waiter.set_exception(self.refusal)
+
+    def _due(self) -> None:
+        """Unanswered at the hedge delay: its last copy's partition is suspect; a copy elsewhere."""
+        self._timer = None
+        if self._waiter.done():
+            return
+        assert self._delay is not None and self._wait is not None and self._partitions
+        waited, self._wait = self._wait, self._delay  # a copy sent now arms the timer at the delay
+        if self._client._hedge(self._topic, self._request, self._partitions, self) is False:
+            # Nowhere to go yet: look again, less often. (None: no more hedging for it.)
+            self._client._hedger.nowhere += not self._put_off  # once a request
+            self._put_off, self._wait = True, waited * 2
+            self._arm(self._wait)
+
+    def close(self) -> None:
+        """The request is over: no more hedges; copies still being handed to the broker are called off."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._wait = None
+        for task in self.sends:
+            task.cancel()
+
+
 class Client:
     def __init__(self, bootstrap: str, redis_url: str, **options: Any) -> None:
         if "signer" not in options:
@@ -503,85 +579,61 @@ class Client:
         and the partition it waited on becomes suspect unless it answered something meanwhile; so again,
         up to ``HedgePolicy.max_hedges`` copies. The first result wins; the others are dropped by id. A
         copy the broker refuses fails the call only when no copy was taken.
+
+        The copies' outcomes and the hedge's timer are callbacks (``_Copies``): the caller waits on its
+        reply's future alone, so a request that is never hedged costs one wait, not a wait on reply and
+        send together at every turn.
         """
         hedger = self._hedger
         partitions = self._partitions(topic)
         sent_at = time.monotonic()
         first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
-        sends = {self._spawn_send(topic, data, request, headers, first)}
         hedger.sent_one()
         # Background work waits for idle capacity by design: a copy would only wait as well.
         hedgeable = partitions and len(partitions) > 1 and not request.priority.background
-        delay = hedger.delay_s(request.model) if hedgeable else None
-        copies = [(first, sent_at)]  # where each copy went, and when
-        hedge_at = None if delay is None else sent_at + delay
-        wait, put_off = delay, False  # put off: a hedge was due with nowhere better to go
-        accepted = False
-        refusals: list[BaseException] = []
+        copies = _Copies(self, topic, data, request, headers, waiter, partitions,
+                         hedger.delay_s(request.model) if hedgeable else None)
+        copies.send(first, sent_at)
         try:
-            while not waiter.done():
-                timeout = None if hedge_at is None else max(0.0, hedge_at - time.monotonic())
-                waiting: set[asyncio.Future[Any]] = {waiter, *sends}
-                done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                for task in [t for t in sends if t in done]:
-                    sends.discard(task)
-                    if (error := task.exception()) is None:
-                        accepted = True
-                    else:
-                        refusals.append(error)
-                if not done:  # unanswered at the hedge delay: its last copy's partition is suspect
-                    assert delay is not None and wait is not None and partitions
-                    sent = self._hedge(topic, data, request, headers, partitions, copies, sends)
-                    if sent is False:  # nowhere to go yet: look again, less often
-                        hedger.nowhere += not put_off  # once a request
-                        put_off, wait = True, wait * 2
-                    else:
-                        wait = delay
-                    hedge_at = None if sent is None else time.monotonic() + wait
-                if refusals and not sends and not accepted and not waiter.done():
-                    raise refusals[0]  # no copy reached the broker: its refusal is the answer
-            try:
-                result = waiter.result()
-            except TimeoutError as exc:
-                if not accepted:
-                    raise DeadlineExceeded(
-                        f"{request.model}/{request.id}: the broker did not take the request by its deadline",
-                        answered=False, accepted=False) from exc
-                raise DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline",
-                                       answered=False) from exc
+            result = await waiter
+        except TimeoutError as exc:
+            if copies.refused:
+                raise  # no copy reached the broker: its refusal is the answer
+            if not copies.accepted:
+                raise DeadlineExceeded(
+                    f"{request.model}/{request.id}: the broker did not take the request by its deadline",
+                    answered=False, accepted=False) from exc
+            raise DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline",
+                                   answered=False) from exc
         finally:
-            for task in sends:
-                task.cancel()
+            copies.close()
         now = time.monotonic()
-        if first is not None and len(copies) == 1:
+        if first is not None and len(copies.sent) == 1:
             hedger.board.answered(topic, first, now)
         if result.status is Status.OK and not request.priority.background:
             hedger.observe(request.model, now - sent_at)
         return result
 
-    def _hedge(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-               partitions: list[int], copies: list[tuple[int | None, float]],
-               sends: set[asyncio.Task[None]]) -> bool | None:
+    def _hedge(self, topic: str, request: Request, partitions: list[int], copies: _Copies) -> bool | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
         one more copy where it can help and the budget pays. True: a copy was sent; False: every other
         partition is suspect too, and the caller looks again later, each time twice as long after (a
         partition that was only slow, a busy box's long batch, answers meanwhile and is trusted again; a
         whole topic that waits costs a few wake-ups a request); None: no more hedging for it."""
         hedger, now = self._hedger, time.monotonic()
-        last, last_at = copies[-1]
+        last, last_at = copies.sent[-1]
         assert last is not None
         hedger.board.hedged(topic, last, last_at, now)
-        if len(copies) > hedger.policy.max_hedges:
+        if len(copies.sent) > hedger.policy.max_hedges:
             return None
-        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies if p is not None])
+        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies.sent if p is not None])
         if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
             return False
         if not hedger.budget.spend():
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None
         metrics.HEDGES.labels(request.model).inc()
-        sends.add(self._spawn_send(topic, data, request, headers, target))
-        copies.append((target, now))
+        copies.send(target, now)
         return True
 
     def _asker(self, topic: str, data: bytes, request: Request,
