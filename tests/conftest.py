@@ -11,12 +11,21 @@ alone, after the rest).
 Hypothesis runs without its clock-based checks (a per-example deadline, "data generation is too
 slow"): beside the soaks on two cores an example can take seconds, and the suite asserts by counts,
 not by the clock. A test's own ``settings`` still add to this profile.
+
+Every Kafka broker the suite starts runs on the JIT's first tier alone (``KAFKA_OPTS``, which the
+local stack passes to its brokers): a broker that lives a minute spent more CPU compiling for peak
+speed than serving, and the suite's brokers took a third of its CPU. Measured on one broker, 10,000
+records through it: 3.2-3.5 s of CPU to ready against 5.3-5.8, 5.6 s under the load against 12-13.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, settings
+
+os.environ.setdefault("KAFKA_OPTS", "-XX:TieredStopAtLevel=1")
 
 settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("suite")

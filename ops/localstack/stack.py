@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -568,6 +569,7 @@ class LocalStack:
         heap = "-Xmx1g" if size == 1 else "-Xmx512m"
         cmd = [
             java, "-Xms256m", heap, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
+            *shlex.split(os.environ.get("KAFKA_OPTS", "")),
             f"-Dlog4j.configuration=file:{log4j}", f"-Dkafka.logs.dir={self.home}",
             "-cp", classpath, "kafka.Kafka", str(config),
         ]
