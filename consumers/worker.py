@@ -67,7 +67,7 @@ from kinfer.consumers.poison import CarefulToken, DeliveryGuard
 from kinfer.consumers.progress import AnsweredReporter
 from kinfer.consumers.replies import Delivery, ReplySink, reply_redis
 from kinfer.consumers.runners import Runner, build_runner
-from kinfer.consumers.runners.base import default_executors, pick_device, set_threads
+from kinfer.consumers.runners.base import default_executors, set_threads
 from kinfer.consumers.settings import WorkerSettings
 from kinfer.consumers.sinks import PrometheusSink, StatsSink
 from kinfer.consumers.stats_reporter import StatsReporter
@@ -109,7 +109,7 @@ class Worker:
             self._fair.add(name, settings.weights.get(name, 1.0))
         families = [m.family for m in settings.models]
         self.executors = settings.executors or default_executors(
-            families, pick_device(settings.device), settings.threads, settings.workers_per_host)
+            families, settings.device, settings.threads, settings.workers_per_host)
         self._executor = ThreadPoolExecutor(self.executors, thread_name_prefix="kinfer-model")
         self._signals = Signals()
         self._computing: dict[asyncio.Task[None], float] = {}  # running work -> when it is predicted to end

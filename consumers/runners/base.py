@@ -184,8 +184,9 @@ def default_executors(families: list[str], device: str, threads: int | None, wor
     """Model calls in flight at once when not set: on CPU, for models that compute there (embedding,
     classifier), the worker's share of the CPUs over the threads each call uses — measured on two
     cores, two single-thread calls from one queue served 1.4x what two workers did, and cut the demo's
-    p95 from 113 to 70 ms. A GPU, a generator (one running batch) or a noop model: one."""
-    if device != "cpu" or any(f not in ("embedding", "classifier") for f in families):
+    p95 from 113 to 70 ms. A GPU, a generator (one running batch) or a noop model: one. ``device`` may be
+    ``auto``: it is resolved (torch imported) only when the families leave the answer to it."""
+    if any(f not in ("embedding", "classifier") for f in families) or pick_device(device) != "cpu":
         return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = max(1, cpus // workers_per_host)
@@ -202,11 +203,13 @@ def set_threads(threads: int | None, workers_per_host: int = 1) -> int | None:
     return n
 
 
-def pick_device(requested: str = "auto") -> str:
-    """``auto`` picks CUDA when torch sees a GPU, else CPU. ``KINFER_DEVICE`` overrides ``auto``."""
+def pick_device(requested: str = "auto", *, probe: bool = True) -> str:
+    """``auto`` picks CUDA when torch sees a GPU, else CPU; ``KINFER_DEVICE`` overrides ``auto``. A model
+    that computes on no device (noop) asks with ``probe=False``: ``auto`` is the CPU, and torch (3 s of
+    CPU to import, most of such a worker's start) is never imported."""
     requested = os.environ.get("KINFER_DEVICE", requested) if requested == "auto" else requested
-    if requested != "auto":
-        return requested
+    if requested != "auto" or not probe:
+        return "cpu" if requested == "auto" else requested
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -84,13 +84,17 @@ ONNX_FAMILIES = frozenset({"embedding"})
 
 
 def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
-    device = pick_device(device)
     if spec.family not in ONNX_FAMILIES and "runtime" in spec.options:
         # One ``--runtime`` for every model of a worker: "auto" and "torch" mean torch here; "onnx" cannot.
         options = dict(spec.options)
         if options.pop("runtime") == "onnx":
             raise ValueError(f"model {spec.name!r}: runtime 'onnx' serves the embedding family only")
         spec = ModelSpec(spec.name, spec.family, spec.path, options)
+    if spec.family == "noop":  # no math on any device: ``auto`` is the CPU, and torch is never imported
+        from kinfer.consumers.runners.noop import NoopRunner
+
+        return NoopRunner(device=pick_device(device, probe=False), **{k: float(v) for k, v in spec.options.items()})
+    device = pick_device(device)
     if spec.family == "embedding":
         from kinfer.consumers.runners.embedding import EmbeddingRunner
 
@@ -112,8 +116,4 @@ def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
         if Path(spec.path) == tiny_lm_path():
             build_tiny_lm(tiny_lm_path())
         return GeneratorRunner(spec.path, device=device, **spec.options)
-    if spec.family == "noop":
-        from kinfer.consumers.runners.noop import NoopRunner
-
-        return NoopRunner(device=device, **{k: float(v) for k, v in spec.options.items()})
     raise ValueError(f"model {spec.name!r}: unknown family {spec.family!r} ({', '.join(FAMILIES)})")
