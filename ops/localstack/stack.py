@@ -552,7 +552,9 @@ class LocalStack:
         if not (data / "meta.properties").exists():
             scram = [] if secrets is None else sec.storage_scram_args(secrets)  # KIP-900: SCRAM users at birth
             fmt = subprocess.run(
-                [java, "-cp", classpath, f"-Dlog4j.configuration=file:{log4j}", "kafka.tools.StorageTool",
+                # A one-shot tool: the JIT's first tier alone (a third less CPU than compiling for peak speed)
+                [java, "-XX:TieredStopAtLevel=1", "-cp", classpath, f"-Dlog4j.configuration=file:{log4j}",
+                 "kafka.tools.StorageTool",
                  "format", "-t", cluster_id.read_text().strip(), "-c", str(config), "--ignore-formatted", *scram],
                 capture_output=True, text=True, check=False,
             )
