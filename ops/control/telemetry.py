@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import tempfile
 import time
 from collections import Counter as Tally
 from collections.abc import Iterable, MutableMapping
@@ -353,10 +354,13 @@ def run(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: fl
         replication = pool.submit(asyncio.run, cluster_replication(bootstrap)).result()
         # Changelogs made before their configs were: given them now, so the next restart reads back less.
         pool.submit(asyncio.run, set_topic_configs(bootstrap, changelog_configs(app_id, window_s))).result()
-    app = build_app(bootstrap, redis_url, window_s=window_s, publish_s=publish_s, app_id=app_id,
-                    replication=replication)
-    worker = faust.Worker(app, loglevel=loglevel, quiet=True)
-    # No terminal spinner: to turn it on every log call, faust sets the root logger to DEBUG, and every
-    # debug line of faust and aiokafka (several a record) then builds a log record nobody prints.
-    worker.spinner = None
-    worker.execute_from_commandline()
+    # The tables live in memory and come back from their changelogs: faust's folder holds nothing a
+    # restart needs, so it is this process's own, removed when it ends.
+    with tempfile.TemporaryDirectory(prefix=f"{app_id}-") as data_dir:
+        app = build_app(bootstrap, redis_url, window_s=window_s, publish_s=publish_s, app_id=app_id,
+                        data_dir=data_dir, replication=replication)
+        worker = faust.Worker(app, loglevel=loglevel, quiet=True)
+        # No terminal spinner: to turn it on every log call, faust sets the root logger to DEBUG, and every
+        # debug line of faust and aiokafka (several a record) then builds a log record nobody prints.
+        worker.spinner = None
+        worker.execute_from_commandline()

@@ -4,7 +4,9 @@ tables, publishes summaries to Redis, and survives a restart without forgetting 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -158,6 +160,8 @@ async def test_windowed_tables_survive_a_restart(stack: StackInfo, tmp_path: Pat
         assert metrics["kinfer_telemetry_service_seconds"] == pytest.approx(first.service_ms / 1000)
 
         assert telemetry.stop() == 0  # graceful: commits, leaves the group
+        # ... and leaves no folder behind: the tables come back from their changelogs alone.
+        assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"{telemetry.app_id}-")]
         restarted = now_ms()
         telemetry.start()
         # The restarted processor rebuilt its tables from the changelogs before it publishes again.
