@@ -136,7 +136,7 @@ class _Copies:
     """
 
     __slots__ = ("_client", "_data", "_delay", "_headers", "_partitions", "_put_off", "_request", "_timer",
-                 "_topic", "_wait", "_waiter", "accepted", "refusal", "refused", "sends", "sent")
+                 "_topic", "_wait", "_waiter", "accepted", "refusal", "sends", "sent")
 
     def __init__(self, client: Client, topic: str, data: bytes, request: Request,
                  headers: list[tuple[str, bytes]] | None, waiter: asyncio.Future[Result],
@@ -150,7 +150,6 @@ class _Copies:
         self.sent: list[tuple[int | None, float]] = []  # where each copy went, and when
         self.accepted = False  # the broker took a copy
         self.refusal: BaseException | None = None  # the first copy the broker refused
-        self.refused = False  # ... failed the reply's future: no copy was taken
 
     def send(self, partition: int | None, now: float) -> None:
         """One more copy to ``partition``, and the hedge timer set from now."""
@@ -177,8 +176,7 @@ class _Copies:
             return
         self.refusal = self.refusal or error
         if not self.sends and not self.accepted and not self._waiter.done():
-            self.refused = True
-            self._waiter.set_exception(self.refusal)
+            self._waiter.set_exception(self.refusal)  # a KinferError: raised to the caller as it is
 
     def _due(self) -> None:
         """Unanswered at the hedge delay: its last copy's partition is suspect; a copy elsewhere."""
@@ -596,9 +594,7 @@ class Client:
         copies.send(first, sent_at)
         try:
             result = await waiter
-        except TimeoutError as exc:
-            if copies.refused:
-                raise  # no copy reached the broker: its refusal is the answer
+        except TimeoutError as exc:  # the deadline's timer (a refusal is raised as it is)
             if not copies.accepted:
                 raise DeadlineExceeded(
                     f"{request.model}/{request.id}: the broker did not take the request by its deadline",

@@ -208,8 +208,10 @@ def pick_device(requested: str = "auto", *, probe: bool = True) -> str:
     that computes on no device (noop) asks with ``probe=False``: ``auto`` is the CPU, and torch (3 s of
     CPU to import, most of such a worker's start) is never imported."""
     requested = os.environ.get("KINFER_DEVICE", requested) if requested == "auto" else requested
-    if requested != "auto" or not probe:
-        return "cpu" if requested == "auto" else requested
+    if requested != "auto":
+        return requested
+    if not probe:
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -249,7 +249,7 @@ def _credentials(auth: KafkaAuth) -> Any:
 
 
 def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish_s: float = 1.0,
-              app_id: str = "kinfer-telemetry", data_dir: str | None = None, replication: int = 1) -> faust.App:
+              app_id: str = "kinfer-telemetry", data_dir: str, replication: int = 1) -> faust.App:
     """``replication``: copies of faust's own topics (changelogs): the cluster's default, or on three
     brokers requiring two in-sync copies, its ``acks=-1`` writes to single-copy topics are refused."""
     if window_s < 1 or window_s != int(window_s):  # faust's windows step in whole seconds
@@ -257,7 +257,7 @@ def build_app(bootstrap: str, redis_url: str, *, window_s: float = 10.0, publish
     app = faust.App(
         app_id, broker=f"kafka://{bootstrap}", broker_credentials=_credentials(KafkaAuth.from_env()),
         store="memory://", topic_partitions=1, topic_replication_factor=replication, Table=OnePartitionTable,
-        web_enabled=False, datadir=data_dir or f"/tmp/{app_id}-data", producer_acks=-1,
+        web_enabled=False, datadir=data_dir, producer_acks=-1,
         # A new processor starts at the end of kinfer.stats (its windows are about now); a restarted
         # one resumes from its committed offsets and changelogs.
         consumer_auto_offset_reset="latest",

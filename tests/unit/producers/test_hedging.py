@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kinfer.producers import Client
 from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
-from kinfer.topics import Priority, Request, Result, Status
+from kinfer.topics import Priority, Request, Result, Status, Unavailable
 from kinfer.topics.envelope import ReplyRoute
 
 T = "infer.m.p1"
@@ -169,6 +169,45 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
     waiter.set_result(Result("r1", "m", Status.OK))
     assert (await exchange).ok
     assert (hedger.nowhere, hedger.budget.spent) == (1, 1)
+    await client._producer.stop()
+    await client._redis.aclose()
+
+
+@pytest.mark.parametrize("first_taken", [True, False])
+async def test_a_refused_copy_fails_the_call_only_when_no_copy_was_taken(first_taken: bool) -> None:
+    """The first copy is still being handed to the broker when its hedge is refused: the call goes on,
+    and once the first copy is taken the reply is the answer. With every copy refused, the first refusal is."""
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(min_samples=1))
+    client._hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
+    outcomes: dict[int | None, asyncio.Future[None]] = {}
+    sent = asyncio.Queue[int | None]()
+
+    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+        outcomes[partition] = asyncio.get_running_loop().create_future()
+        sent.put_nowait(partition)
+        await outcomes[partition]
+
+    client._partitions = lambda topic: [0, 1]  # type: ignore[method-assign]
+    client._publish = publish  # type: ignore[method-assign]
+    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=2,
+                      inputs=("x",), reply=ReplyRoute(redis="c"))
+    waiter: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+    exchange = asyncio.create_task(client._exchange(T, b"", request, None, waiter))
+    first = await asyncio.wait_for(sent.get(), 10)
+    hedge = await asyncio.wait_for(sent.get(), 10)  # unanswered at the hedge delay: a copy elsewhere
+    assert hedge != first
+    outcomes[hedge].set_exception(Unavailable("hedge refused"))
+    for _ in range(10):  # the refused copy's task ends and its callbacks run
+        await asyncio.sleep(0)
+    assert not exchange.done() and not waiter.done()  # the first copy may still be taken
+    if first_taken:
+        outcomes[first].set_result(None)
+        waiter.set_result(Result("r1", "m", Status.OK))
+        assert (await exchange).ok
+    else:
+        outcomes[first].set_exception(Unavailable("first refused"))
+        with pytest.raises(Unavailable, match="hedge refused"):  # the first refusal the client saw
+            await exchange
     await client._producer.stop()
     await client._redis.aclose()
 
