@@ -438,16 +438,21 @@ def recovery_s(failed: list[int], offered: list[int], at_s: float, until_s: floa
     return 0 if last is None else last - start
 
 
-def bench_chaos(config: ChaosConfig, variants: tuple[str, ...] = ("all",), keep: str | None = None) -> dict[str, Any]:
+def bench_chaos(config: ChaosConfig, variants: tuple[str, ...] = ("all",), keep: str | None = None,
+                stack: LocalStack | None = None) -> dict[str, Any]:
     """One soak per variant, each on a fresh three-broker stack; one variant: its report alone. ``keep``: a
-    folder where each variant's stack and process logs stay (default: a temporary one, removed)."""
+    folder where each variant's stack and process logs stay (default: a temporary one, removed).
+    ``stack``: a running stack to soak instead (one variant, whose failover setting the stack has); it is
+    left running, its broker and Redis faults restarted as they would be on a fresh one."""
+    if stack is not None and (len(variants) != 1 or stack.failover != config.variant(variants[0]).failover):
+        raise ValueError("a given stack runs one variant, with the stack's own failover setting")
     reports: dict[str, Any] = {}
     for name in variants:
         c = config.variant(name)
         log(f"chaos {name}: {c.minutes:g} min at {c.rate:g}/s, deadline {c.deadline_ms} ms, seed {c.seed}")
         with tempfile.TemporaryDirectory(prefix="kinfer-chaos-") as tmp:
             home = Path(keep) / name if keep is not None else Path(tmp)
-            local = LocalStack(home / "stack", brokers=3, failover=c.failover)
+            local = stack or LocalStack(home / "stack", brokers=3, failover=c.failover)
             info, _ = local.up(timeout_s=180)
             logs = home / "logs"
             logs.mkdir(parents=True, exist_ok=True)
@@ -455,7 +460,8 @@ def bench_chaos(config: ChaosConfig, variants: tuple[str, ...] = ("all",), keep:
                 fleet = _Fleet(c, local, info, logs)
                 reports[name] = asyncio.run(_soak(c, fleet))
             finally:
-                local.down()
+                if stack is None:
+                    local.down()
         r = reports[name]
         month = (r["projection"] or {}).get("availability_month")
         log(f"  availability {r['availability']} ({r['availability_outside_faults']} outside faults, {month} "

@@ -95,7 +95,7 @@ class SimConfig:
     reply_ms: float = 1.0  # result published -> the caller has it
     worker_cpu_ms: float = 0.11  # the worker's own work per request (decode, reply, commit share)
     # The worker's shell per batch, while its executor waits: hand-off to the executor thread, the
-    # replies published before the next batch starts. tests/integration/test_fleet.py measures it.
+    # replies published before the next batch starts. tests/integration/test_simulator.py measures it.
     batch_overhead_ms: float = 2.0
     service_cv: float = 0.05  # lognormal noise on each forward pass
     session_timeout_s: float = 6.0  # a dead worker's partitions move after this

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +13,13 @@ from kinfer.ops.bench.chaos import (
     VARIANTS,
     ChaosConfig,
     availability_outside,
+    bench_chaos,
     fault_bound,
     projection,
     recovery_s,
     schedule,
 )
+from kinfer.ops.localstack.stack import LocalStack
 
 
 def test_the_schedule_is_the_seed_s_every_kind_in_turn_within_the_soak() -> None:
@@ -52,6 +55,15 @@ def test_each_variant_switches_off_one_mechanism(name: str) -> None:
     assert off == ([] if name == "all" else [name.removeprefix("no-")])
     with pytest.raises(ValueError):
         ChaosConfig().variant("no-such")
+
+
+def test_a_given_stack_runs_one_variant_with_its_own_failover(tmp_path: Path) -> None:
+    """Refused before anything starts: a variant's failover is a broker setting, fixed when the stack started."""
+    with pytest.raises(ValueError, match="one variant"):
+        bench_chaos(ChaosConfig(), ("all", "no-hedging"), stack=LocalStack(tmp_path, brokers=3))
+    with pytest.raises(ValueError, match="failover"):
+        bench_chaos(ChaosConfig(), ("no-failover",), stack=LocalStack(tmp_path, brokers=3))
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_fault_s_bound_scales_with_the_rate() -> None:
