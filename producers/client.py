@@ -132,10 +132,11 @@ class _Copies:
     A copy's send task tells when the broker took it or refused it; when every copy sent was refused
     and none taken, the refusal fails the reply's future, which is the answer. The hedge timer fires
     at the hedge delay after the last copy (or, put off, twice as long each time) and asks the client
-    for another copy while the reply is still awaited.
+    for another copy while the reply is still awaited. A hedgeable request is listed under the partition
+    its last copy waits on (``Client._waiting``), so that the partition turning suspect hurries it.
     """
 
-    __slots__ = ("_client", "_data", "_delay", "_headers", "_partitions", "_put_off", "_request", "_timer",
+    __slots__ = ("_client", "_data", "_delay", "_headers", "_on", "_partitions", "_put_off", "_request", "_timer",
                  "_topic", "_wait", "_waiter", "accepted", "refusal", "sends", "sent")
 
     def __init__(self, client: Client, topic: str, data: bytes, request: Request,
@@ -145,7 +146,8 @@ class _Copies:
         self._waiter, self._partitions = waiter, partitions
         self._delay = self._wait = delay  # wait: until the next look for a hedge (doubles while put off)
         self._put_off = False  # a hedge was due with nowhere better to go
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._on: tuple[str, int] | None = None  # where it is listed in the client's ``_waiting``
         self.sends: set[asyncio.Task[None]] = set()  # copies the broker has not answered yet
         self.sent: list[tuple[int | None, float]] = []  # where each copy went, and when
         self.accepted = False  # the broker took a copy
@@ -159,6 +161,28 @@ class _Copies:
         self.sent.append((partition, now))
         if self._wait is not None:
             self._arm(self._wait)
+            if partition is not None:
+                self._list((self._topic, partition))
+
+    def _list(self, on: tuple[str, int] | None) -> None:
+        waiting = self._client._waiting
+        if self._on is not None:
+            was = waiting[self._on]
+            was.discard(self)
+            if not was:
+                del waiting[self._on]
+        self._on = on
+        if on is not None:
+            now = waiting.get(on)
+            if now is None:
+                now = waiting[on] = set()
+            now.add(self)
+
+    def hurry(self) -> None:
+        """Its partition was found stalled by another request: look for a hedge now, not at the delay."""
+        if self._timer is not None and self._wait is not None and not self._waiter.done():
+            self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_soon(self._due)
 
     def _arm(self, seconds: float) -> None:
         if self._timer is not None:
@@ -196,6 +220,7 @@ class _Copies:
         if self._timer is not None:
             self._timer.cancel()
         self._wait = None
+        self._list(None)
         for task in self.sends:
             task.cancel()
 
@@ -237,6 +262,7 @@ class Client:
         self._outcomes = metrics.Outcomes()  # how requests ended, and how long the answered ones took
         self._demand_at: dict[str, float] = {}  # per cold model: when we last said it was wanted
         self._hedger = Hedger(self.settings.hedging)
+        self._waiting: dict[tuple[str, int], set[_Copies]] = {}  # hedgeable requests by their last copy's partition
         self._background: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -574,9 +600,10 @@ class Client:
 
         The request goes to a partition the board trusts. Unanswered at the model's recent p99, it is
         published again (same id, same bytes) to another trusted partition, paid from the hedge budget,
-        and the partition it waited on becomes suspect unless it answered something meanwhile; so again,
-        up to ``HedgePolicy.max_hedges`` copies. The first result wins; the others are dropped by id. A
-        copy the broker refuses fails the call only when no copy was taken.
+        and the partition it waited on becomes suspect unless it answered something meanwhile (the other
+        requests waiting on it are then hedged at once); so again, up to ``HedgePolicy.max_hedges`` copies.
+        The first result wins; the others are dropped by id. A copy the broker refuses fails the call only
+        when no copy was taken.
 
         The copies' outcomes and the hedge's timer are callbacks (``_Copies``): the caller waits on its
         reply's future alone, so a request that is never hedged costs one wait, not a wait on reply and
@@ -589,8 +616,9 @@ class Client:
         hedger.sent_one()
         # Background work waits for idle capacity by design: a copy would only wait as well.
         hedgeable = partitions and len(partitions) > 1 and not request.priority.background
+        left_s = (request.deadline_ms - now_ms()) / 1000.0
         copies = _Copies(self, topic, data, request, headers, waiter, partitions,
-                         hedger.delay_s(request.model) if hedgeable else None)
+                         hedger.delay_s(request.model, left_s) if hedgeable else None)
         copies.send(first, sent_at)
         try:
             result = await waiter
@@ -619,7 +647,10 @@ class Client:
         hedger, now = self._hedger, time.monotonic()
         last, last_at = copies.sent[-1]
         assert last is not None
-        hedger.board.hedged(topic, last, last_at, now)
+        if hedger.board.hedged(topic, last, last_at, now):  # newly suspect: what else waits on it, hedge now too
+            for other in list(self._waiting.get((topic, last), ())):
+                if other is not copies:
+                    other.hurry()
         if len(copies.sent) > hedger.policy.max_hedges:
             return None
         target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies.sent if p is not None])

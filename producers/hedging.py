@@ -7,7 +7,8 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
 
 - **Hedging** ("The Tail at Scale", Dean and Barroso): a request still unanswered at the model's
   recent p99 (``LatencyWindow``; at most four times its median, so the slow answers of a fault do
-  not push the hedge past the deadline) is published once more, with the same id and bytes, to
+  not push the hedge past the deadline, and at the latest a median answer before its deadline, so the
+  copy has the time to be answered) is published once more, with the same id and bytes, to
   another partition; should that copy wait as long too, once more again (``max_hedges``). The first
   answer wins; the others are duplicates the client drops by id (workers are idempotent by id
   already). Hedges are paid from a ``HedgeBudget`` that earns a fraction of a hedge for every
@@ -17,8 +18,10 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
   each time twice as long after: a partition suspected for one slow batch is trusted again at its
   next answer, and the hedge goes there then.
 - **Avoidance** (``PartitionBoard``): a partition whose request had to be hedged, and that has
-  answered nothing since that request was sent, is *suspect*: new requests go to the others. A
-  suspect partition gets one probe request every ``probe_s``; an answer it gives clears it.
+  answered nothing since that request was sent, is *suspect*: new requests go to the others, and the
+  requests already waiting on it are hedged at once rather than each at its own delay (a dead owner
+  strands all of them alike). A suspect partition gets one probe request every ``probe_s``; an answer
+  it gives clears it.
 
 Evidence is per client and needs no other process: a dead lag monitor or a Redis outage does not
 blind it. The cost of a false suspicion (a slow batch, a GC pause) is a few hedges and a partition
@@ -182,13 +185,15 @@ class PartitionBoard:
         part.last_answer = now
         part.suspect_since = None
 
-    def hedged(self, topic: str, partition: int, sent: float, now: float) -> None:
+    def hedged(self, topic: str, partition: int, sent: float, now: float) -> bool:
         """A request sent to ``partition`` at ``sent`` is still unanswered at ``now``: unless the partition
-        answered something since, it is suspect."""
+        answered something since, it is suspect. True when this made it suspect (it was trusted before)."""
         part = self._get(topic, partition)
         if part.last_answer < sent and part.suspect_since is None:
             part.suspect_since = now
             part.probed = now
+            return True
+        return False
 
 
 class Hedger:
@@ -206,8 +211,9 @@ class Hedger:
         self.sent += 1
         self.budget.earn()
 
-    def delay_s(self, model: str) -> float | None:
-        """How long to wait before hedging a request to ``model`` (None: do not hedge it)."""
+    def delay_s(self, model: str, left_s: float = math.inf) -> float | None:
+        """How long to wait before hedging a request to ``model`` that has ``left_s`` until its deadline
+        (None: do not hedge it)."""
         if not self.policy.enabled:
             return None
         window = self._latency.get(model)
@@ -216,8 +222,10 @@ class Hedger:
         q, median = window.quantile(self.policy.quantile), window.quantile(0.5)
         assert q is not None and median is not None
         # A window that took in a fault's slow answers has a p99 of the fault, not of the model: the
-        # median barely moves, so the delay is held within a few medians of it.
-        return max(self.policy.min_delay_ms / 1000.0, min(q, self.policy.median_cap * median))
+        # median barely moves, so the delay is held within a few medians of it. And a copy sent later
+        # than a median answer before the deadline comes too late to help: on a busy box (p99 900 ms,
+        # median 290 ms, one-second deadlines) the p99 alone put every hedge at the deadline.
+        return max(self.policy.min_delay_ms / 1000.0, min(q, self.policy.median_cap * median, left_s - median))
 
     def observe(self, model: str, seconds: float) -> None:
         """An answer to ``model`` took ``seconds`` from send to result."""

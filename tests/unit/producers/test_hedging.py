@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kinfer.producers import Client
 from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
-from kinfer.topics import Priority, Request, Result, Status, Unavailable
+from kinfer.topics import Priority, Request, Result, Status, Unavailable, now_ms
 from kinfer.topics.envelope import ReplyRoute
 
 T = "infer.m.p1"
@@ -81,6 +81,28 @@ def test_a_fault_s_slow_answers_do_not_push_the_hedge_delay_past_a_few_medians()
     for _ in range(10):  # a stalled partition's answers, seconds late
         hedger.observe("m", 3.0)
     assert hedger.delay_s("m") == pytest.approx(0.200)  # 4 x the 50 ms median, not the 3 s p99
+
+
+def test_a_hedge_leaves_its_copy_a_median_answer_before_the_deadline() -> None:
+    """On a busy box (answers near the deadline) a hedge at the p99 comes too late to be answered in time:
+    it goes out no later than the median before the deadline, and never before the floor."""
+    hedger = Hedger(HedgePolicy(window=100, min_samples=10))
+    for _ in range(60):
+        hedger.observe("m", 0.300)
+    for _ in range(40):
+        hedger.observe("m", 0.900)
+    assert hedger.delay_s("m") == pytest.approx(0.900)  # the p99, within 4 x the 300 ms median
+    assert hedger.delay_s("m", left_s=1.0) == pytest.approx(0.700)  # a copy then may still make it
+    assert hedger.delay_s("m", left_s=0.2) == pytest.approx(0.020)  # too late whenever: at the floor
+
+
+def test_a_partition_turns_suspect_once() -> None:
+    board = PartitionBoard(probe_s=1.0)
+    assert board.hedged(T, 0, sent=1.0, now=1.2)
+    assert not board.hedged(T, 0, sent=1.1, now=1.3)  # already suspect
+    board.answered(T, 0, 2.0)
+    assert not board.hedged(T, 0, sent=1.9, now=2.1)  # it answered since that request was sent
+    assert board.hedged(T, 0, sent=2.5, now=2.7)
 
 
 def test_round_robin_over_trusted_partitions() -> None:
@@ -169,6 +191,41 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
     waiter.set_result(Result("r1", "m", Status.OK))
     assert (await exchange).ok
     assert (hedger.nowhere, hedger.budget.spent) == (1, 1)
+    await client._producer.stop()
+    await client._redis.aclose()
+
+
+async def test_requests_waiting_on_a_partition_that_turns_suspect_are_hedged_at_once() -> None:
+    """Four requests over three partitions, two of them on partition 0. The first one's hedge comes due
+    (its deadline is near) and makes partition 0 suspect: the other request waiting there is hedged
+    then, not at its own delay (here 100 s), and the requests on the other partitions are left alone."""
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t",
+                    hedging=HedgePolicy(min_samples=1, max_hedges=1))
+    client._hedger.observe("m", 100.0)  # the delay is the p99: 100 s, unless a deadline is nearer
+    published: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
+
+    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+        published.put_nowait((request.id, partition))
+
+    client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
+    client._publish = publish  # type: ignore[method-assign]
+    waiters: dict[str, asyncio.Future[Result]] = {}
+    exchanges = []
+    for i, left_ms in enumerate((10_000_000, 10_000_000, 10_000_000, 100_010)):  # the last: hedged at the floor
+        rid = f"r{i}"
+        created = now_ms()
+        request = Request(id=rid, model="m", priority=Priority.P1, tenant="t", created_ms=created,
+                          deadline_ms=created + left_ms, inputs=("x",), reply=ReplyRoute(redis="c"))
+        waiters[rid] = asyncio.get_running_loop().create_future()
+        exchanges.append(asyncio.create_task(client._exchange(T, b"", request, None, waiters[rid])))
+        assert await asyncio.wait_for(published.get(), 10) == (rid, i % 3)
+    hedges = {await asyncio.wait_for(published.get(), 10), await asyncio.wait_for(published.get(), 10)}
+    assert {rid for rid, _ in hedges} == {"r3", "r0"} and all(p != 0 for _, p in hedges)
+    assert client._hedger.board.suspect(T, 0) and published.empty()
+    for rid, waiter in waiters.items():
+        waiter.set_result(Result(rid, "m", Status.OK))
+    assert all(r.ok for r in await asyncio.gather(*exchanges))
+    assert client._waiting == {}  # nothing is left listed once the requests are over
     await client._producer.stop()
     await client._redis.aclose()
 
