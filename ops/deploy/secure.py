@@ -661,6 +661,6 @@ async def create_acls(bootstrap: str, options: dict[str, Any], tenants: Mapping[
 FAILOVER_PROPERTIES = (
     "broker.heartbeat.interval.ms=500",
     "broker.session.timeout.ms=3000",
-    "replica.lag.time.max.ms=1000",
+    "replica.lag.time.max.ms=500",
     "replica.fetch.wait.max.ms=100",
 )
