@@ -1,12 +1,12 @@
 """The suite's order: the longest files first.
 
-``make test`` spreads files over the cores (pytest-xdist, ``--dist loadfile``), handing each core the
-next file in collection order as it finishes one. A minute-long scenario collected last runs alone
-while the other cores idle; collected first, the short files fill in around it. So files holding a
-``slow`` test go first, then the other integration files, then the unit tests (a stable sort: the
-order within each group, and within each file, is kept). Files marked ``clock`` compare latencies:
-they go last, when the soaks that would starve them of CPU are over (``make test`` runs them
-alone, after the rest).
+``make test`` spreads files over its workers, one more than the cores (pytest-xdist, ``--dist
+loadfile``), handing each worker the next file in collection order as it finishes one. A minute-long
+scenario collected last runs alone while the other workers idle; collected first, the short files fill
+in around it. So files holding a ``slow`` test go first, then the other integration files, then the
+unit tests (a stable sort: the order within each group, and within each file, is kept). Files marked
+``clock`` compare latencies: they go last, when the soaks that would starve them of CPU are over
+(``make test`` runs them alone, after the rest).
 
 Hypothesis runs without its clock-based checks (a per-example deadline, "data generation is too
 slow"): beside the soaks on two cores an example can take seconds, and the suite asserts by counts,
