@@ -94,6 +94,22 @@ def test_second_load_reuses_the_cache(exported: Any, home: Path, monkeypatch: py
     assert np.allclose(again.run(TEXTS), exported.run(TEXTS), atol=1e-6)
 
 
+def test_the_graph_ort_runs_leaves_out_the_slow_fusion(exported: Any, home: Path, tmp_path: Path) -> None:
+    """ORT takes any name in its list of rewrites to leave out: the optimized graph is checked, against the
+    same export optimized with nothing left out (where the fused op does appear)."""
+    import onnx
+
+    (entry,) = (home / "onnx").iterdir()
+
+    def ops(disabled: tuple[str, ...]) -> set[str]:
+        optimized = tmp_path / f"optimized-{len(disabled)}.onnx"
+        emb.open_session(entry / "model.onnx", 1, optimized_to=optimized, disabled=disabled)
+        return {node.op_type for node in onnx.load(str(optimized), load_external_data=False).graph.node}
+
+    assert "SkipLayerNormalization" in ops(())
+    assert "SkipLayerNormalization" not in ops(emb.ORT_DISABLED_OPTIMIZERS)
+
+
 def test_disagreement_falls_back_to_torch(
     exported: Any, reference: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
