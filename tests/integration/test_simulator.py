@@ -25,17 +25,17 @@ async def test_the_simulator_agrees_with_a_short_real_run(
 ) -> None:
     """One worker of a simulated accelerator (10 ms an input: batching buys nothing) at 60/s,
     Poisson, through Kafka and Redis; the simulator, told the same, predicts the same median and tail
-    (the real run's 900 requests against a long simulated one: within 30 % or 10 ms). The queueing is
+    (the real run's 600 requests against a long simulated one: within 30 % or 10 ms). The queueing is
     the simulator's own: only the fixed costs, and the spread of the transport, come from the run."""
     spawn_worker(topics, "--family", "noop", "--option", "per_input_ms=10")
     await wait_until_served(client, topics)
-    report = await open_loop(client, topics, ["x"] * 900, 60.0, poisson=True, deadline_ms=30_000, seed=5)
+    report = await open_loop(client, topics, ["x"] * 600, 60.0, poisson=True, deadline_ms=30_000, seed=5)
     real = report.summary()
     # Every request answered: ok, or shed by CoDel when the box is busy with other tests (the
     # simulator runs the same batcher, CoDel included); the comparison is over the ok ones.
     statuses = report.statuses()
-    assert sum(statuses.values()) == 900 and set(statuses) <= {"ok", "Shed"}, statuses
-    assert statuses["ok"] >= 891, statuses
+    assert sum(statuses.values()) == 600 and set(statuses) <= {"ok", "Shed"}, statuses
+    assert statuses["ok"] >= 594, statuses
 
     # Told what this machine measures (it differs by machine and load: other tests may share its
     # cores), from the run's own timings: the transport (send to fetch) as its floor plus an
