@@ -153,6 +153,28 @@ def open_session(model: Path, threads: int, optimized_to: Path | None = None,
                                 disabled_optimizers=list(disabled))
 
 
+@contextlib.contextmanager
+def _one_exporter(entry: Path) -> Iterator[None]:
+    """Held while exporting to ``entry``: the cache folder's lock, so another process (or thread) exporting
+    waits, then finds the export in place. Where the folder cannot be locked, each one exports, as the
+    rename into place already allows."""
+    import fcntl
+    import os
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(entry.parent, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def onnx_available() -> bool:
     return importlib.util.find_spec("onnxruntime") is not None
 
@@ -234,7 +256,9 @@ class EmbeddingRunner(TorchResidency):
     def _load_onnx(self) -> None:
         entry = onnx_cache_dir(Path(self.path))
         if not (entry / "model.onnx").is_file():
-            self._export(entry)
+            with _one_exporter(entry):  # workers starting together on a host export once
+                if not (entry / "model.onnx").is_file():
+                    self._export(entry)
         self._open_session(entry)
         self._self_check()
         if self._session is not None:

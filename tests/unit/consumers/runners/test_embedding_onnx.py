@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,25 @@ def test_the_graph_ort_runs_leaves_out_the_slow_fusion(exported: Any, home: Path
 
     assert "SkipLayerNormalization" in ops(())
     assert "SkipLayerNormalization" not in ops(emb.ORT_DISABLED_OPTIMIZERS)
+
+
+def test_two_loads_at_once_on_a_fresh_cache_export_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers starting together on a host: the second waits for the first one's export and opens it."""
+    monkeypatch.setenv("KINFER_HOME", str(tmp_path))
+    monkeypatch.delenv("KINFER_CACHE", raising=False)
+    exports: list[Path] = []
+    export = emb.EmbeddingRunner._export
+
+    def counted(self: Any, entry: Path) -> None:
+        exports.append(entry)
+        export(self, entry)
+
+    monkeypatch.setattr(emb.EmbeddingRunner, "_export", counted)
+    with ThreadPoolExecutor(2) as pool:
+        runners = list(pool.map(lambda _: embed("onnx"), range(2)))
+    assert len(exports) == 1
+    assert all(r.runtime == "onnx" for r in runners) and sorted(r.onnx_exported for r in runners) == [False, True]
+    assert np.allclose(runners[0].run(TEXTS), runners[1].run(TEXTS), atol=1e-6)
 
 
 def test_disagreement_falls_back_to_torch(
