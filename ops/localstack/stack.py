@@ -122,7 +122,10 @@ def ephemeral_ports() -> tuple[int, int]:
     return low, high
 
 
-def process_alive(pid: int, needle: str) -> bool:
+Needle = str | tuple[str, ...]  # what a process's command line holds (a tuple: any one of them)
+
+
+def process_alive(pid: int, needle: Needle) -> bool:
     """True if ``pid`` runs and its command line contains ``needle`` (guards against pid reuse)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -130,14 +133,14 @@ def process_alive(pid: int, needle: str) -> bool:
     except OSError:
         return False
     state = stat.rsplit(")", 1)[1].split()[0]
-    return state not in ("Z", "X") and needle in cmdline
+    return state not in ("Z", "X") and any(n in cmdline for n in ((needle,) if isinstance(needle, str) else needle))
 
 
-def _stop(pid: int, needle: str, timeout_s: float = 30.0) -> None:
+def _stop(pid: int, needle: Needle, timeout_s: float = 30.0) -> None:
     _stop_all([(pid, needle)], timeout_s)
 
 
-def _stop_all(processes: list[tuple[int, str]], timeout_s: float = 30.0) -> None:
+def _stop_all(processes: list[tuple[int, Needle]], timeout_s: float = 30.0) -> None:
     """SIGTERM to every process (its group) at once, SIGKILL to those still running ``timeout_s``
     later. At once: a cluster's brokers shut down together while their controller quorum stands,
     rather than the last waiting for a quorum that left before it."""
@@ -167,7 +170,7 @@ def _signal(pid: int, sig: signal.Signals) -> bool:
     return True
 
 
-def _gone(pid: int, needle: str) -> bool:
+def _gone(pid: int, needle: Needle) -> bool:
     _reap(pid)
     return not process_alive(pid, needle)
 
@@ -345,8 +348,8 @@ class LocalStack:
             self.home.mkdir(parents=True, exist_ok=True)
             secrets = sec.ensure_secure_dir(info.secure_files.root)[1]
         redis_url, kafka_opts = info.redis_url_for(), _stack_kafka_options(info)  # admin's, when secure
-        dead = [b for b in info.brokers if not process_alive(b.pid, self.KAFKA_NEEDLE)]
-        redis_ok = process_alive(info.redis_pid, self.REDIS_NEEDLE) and _redis_ready(redis_url)
+        dead = [b for b in info.brokers if not process_alive(b.pid, self._kafka(b, info))]
+        redis_ok = process_alive(info.redis_pid, self._redis(info)) and _redis_ready(redis_url)
         if not dead and redis_ok:
             if asyncio.run(_kafka_ready(info.bootstrap, timeout_s=5, brokers=len(info.brokers), options=kafka_opts)):
                 return info, False
@@ -363,7 +366,7 @@ class LocalStack:
                 raise StackError("redis-server not found: install Debian's redis-server (make deps does)")
         self.home.mkdir(parents=True, exist_ok=True)
         if redis_bin is not None:
-            _stop(info.redis_pid, self.REDIS_NEEDLE)
+            _stop(info.redis_pid, self._redis(info))
             pid, log = self._start_redis(redis_bin, info.redis_port, secrets)
             info.redis_pid, info.redis_log = pid, str(log)
             self.restarted.append("redis")
@@ -374,10 +377,10 @@ class LocalStack:
             voters = ",".join(f"{b.node_id}@127.0.0.1:{b.controller_port}" for b in info.brokers)
             if secrets is not None and len(dead) == len(info.brokers):
                 for broker in dead:
-                    _stop(broker.pid, self.KAFKA_NEEDLE)
+                    _stop(broker.pid, self._kafka(broker, info))
                 self._clear_storage_unless_formatted_for(secrets)
             for broker in dead:
-                _stop(broker.pid, self.KAFKA_NEEDLE)
+                _stop(broker.pid, self._kafka(broker, info))
                 pid, log = self._start_kafka(java, libs, broker, voters, len(info.brokers), secrets)
                 broker.pid, broker.log = pid, str(log)
                 self.restarted.append("kafka" if len(info.brokers) == 1 else f"kafka-{broker.node_id}")
@@ -400,9 +403,21 @@ class LocalStack:
                 raise StackError(f"applying the ACLs failed: {exc}") from exc
         return info, fresh
 
+    def _kafka(self, broker: BrokerInfo, info: StackInfo) -> str:
+        """What this stack's broker has in its command line: its own config file. PIDs are reused (within
+        minutes where pid_max is 32768 and JVM threads take PIDs too), and a reused one may well be another
+        stack's broker: the class name alone would let ``down`` or ``up`` stop it."""
+        name = "kafka" if len(info.brokers) == 1 else f"kafka-{broker.node_id}"
+        return f"{self.KAFKA_NEEDLE} {self.home / f'{name}.properties'}"
+
+    def _redis(self, info: StackInfo) -> Needle:
+        """What this stack's Redis has in its command line: its own port, in the arguments it was started
+        with, then in the process title Redis gives itself once it runs."""
+        return (f"{self.REDIS_NEEDLE} --port {info.redis_port} ", f"{self.REDIS_NEEDLE} 127.0.0.1:{info.redis_port}")
+
     def _any_alive(self, info: StackInfo) -> bool:
-        return process_alive(info.redis_pid, self.REDIS_NEEDLE) or any(
-            process_alive(b.pid, self.KAFKA_NEEDLE) for b in info.brokers)
+        return process_alive(info.redis_pid, self._redis(info)) or any(
+            process_alive(b.pid, self._kafka(b, info)) for b in info.brokers)
 
     def _record(self, info: StackInfo) -> None:
         self.state_file.write_text(json.dumps(asdict(info), indent=2))
@@ -414,8 +429,8 @@ class LocalStack:
             self.state_file.unlink(missing_ok=True)  # an unreadable record of an older layout
             return False
         was = self._any_alive(info)
-        _stop_all([(b.pid, self.KAFKA_NEEDLE) for b in info.brokers])
-        _stop(info.redis_pid, self.REDIS_NEEDLE)
+        _stop_all([(b.pid, self._kafka(b, info)) for b in info.brokers])
+        _stop(info.redis_pid, self._redis(info))
         self.state_file.unlink(missing_ok=True)
         return was
 
@@ -423,8 +438,8 @@ class LocalStack:
         info = self.load()
         if info is None:
             return {"home": str(self.home), "state": "down"}
-        brokers = [process_alive(b.pid, self.KAFKA_NEEDLE) for b in info.brokers]
-        redis = process_alive(info.redis_pid, self.REDIS_NEEDLE)
+        brokers = [process_alive(b.pid, self._kafka(b, info)) for b in info.brokers]
+        redis = process_alive(info.redis_pid, self._redis(info))
         running = sum(brokers) + redis
         return {
             **asdict(info),
@@ -437,13 +452,14 @@ class LocalStack:
 
     def _check_started(self, info: StackInfo, deadline: float) -> None:
         for pid, needle, logfile in (
-            *((b.pid, self.KAFKA_NEEDLE, b.log) for b in info.brokers),
-            (info.redis_pid, self.REDIS_NEEDLE, info.redis_log),
+            *((b.pid, self._kafka(b, info), b.log) for b in info.brokers),
+            (info.redis_pid, self._redis(info), info.redis_log),
         ):
             if not process_alive(pid, needle):
                 tail = Path(logfile).read_text(errors="replace")[-3000:]
                 self.down()
-                raise StackError(f"{needle} exited during start; end of {logfile}:\n{tail}")
+                name = needle if isinstance(needle, str) else needle[0]
+                raise StackError(f"{name.split()[0]} exited during start; end of {logfile}:\n{tail}")
         if time.monotonic() > deadline:
             self.down()
             logs = ", ".join([*(b.log for b in info.brokers), info.redis_log])
