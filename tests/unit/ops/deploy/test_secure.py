@@ -328,13 +328,14 @@ def own_environ() -> Iterator[None]:
 
 @pytest.fixture
 def recorded_secure_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_environ: None) -> Iterator[StackInfo]:
-    """A secure stack record whose "Redis" is a live process (``process_alive`` reads its command line)."""
+    """A secure stack record whose "Redis" is a live process (``process_alive`` reads its command line: a
+    Redis's process title, with its port)."""
     import dataclasses
     import subprocess
     import sys
 
     sec.ensure_secure_dir(tmp_path / "secure")
-    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "redis-server"])
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "redis-server 127.0.0.1:6390"])
     info = StackInfo(str(tmp_path), "127.0.0.1:9093", "redis://127.0.0.1:6390/0", redis_pid=stand_in.pid, secure=True)
     (tmp_path / "stack.json").write_text(json.dumps(dataclasses.asdict(info)))
     for key in [k for k in os.environ if k.startswith("KINFER_")]:
