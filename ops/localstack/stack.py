@@ -133,7 +133,8 @@ def process_alive(pid: int, needle: Needle) -> bool:
     except OSError:
         return False
     state = stat.rsplit(")", 1)[1].split()[0]
-    return state not in ("Z", "X") and any(n in cmdline for n in ((needle,) if isinstance(needle, str) else needle))
+    needles = (needle,) if isinstance(needle, str) else needle
+    return state not in ("Z", "X") and any(n in cmdline for n in needles)
 
 
 def _stop(pid: int, needle: Needle, timeout_s: float = 30.0) -> None:
@@ -383,7 +384,7 @@ class LocalStack:
                 _stop(broker.pid, self._kafka(broker, info))
                 pid, log = self._start_kafka(java, libs, broker, voters, len(info.brokers), secrets)
                 broker.pid, broker.log = pid, str(log)
-                self.restarted.append("kafka" if len(info.brokers) == 1 else f"kafka-{broker.node_id}")
+                self.restarted.append(_broker_name(broker, len(info.brokers)))
                 self._record(info)
         deadline = time.monotonic() + timeout_s
         while not _redis_ready(redis_url):
@@ -407,8 +408,7 @@ class LocalStack:
         """What this stack's broker has in its command line: its own config file. PIDs are reused (within
         minutes where pid_max is 32768 and JVM threads take PIDs too), and a reused one may well be another
         stack's broker: the class name alone would let ``down`` or ``up`` stop it."""
-        name = "kafka" if len(info.brokers) == 1 else f"kafka-{broker.node_id}"
-        return f"{self.KAFKA_NEEDLE} {self.home / f'{name}.properties'}"
+        return f"{self.KAFKA_NEEDLE} {self.home / f'{_broker_name(broker, len(info.brokers))}.properties'}"
 
     def _redis(self, info: StackInfo) -> Needle:
         """What this stack's Redis has in its command line: its own port, in the arguments it was started
@@ -451,15 +451,14 @@ class LocalStack:
     # -- internals ---------------------------------------------------------------------------
 
     def _check_started(self, info: StackInfo, deadline: float) -> None:
-        for pid, needle, logfile in (
-            *((b.pid, self._kafka(b, info), b.log) for b in info.brokers),
-            (info.redis_pid, self._redis(info), info.redis_log),
+        for pid, needle, name, logfile in (
+            *((b.pid, self._kafka(b, info), self.KAFKA_NEEDLE, b.log) for b in info.brokers),
+            (info.redis_pid, self._redis(info), self.REDIS_NEEDLE, info.redis_log),
         ):
             if not process_alive(pid, needle):
                 tail = Path(logfile).read_text(errors="replace")[-3000:]
                 self.down()
-                name = needle if isinstance(needle, str) else needle[0]
-                raise StackError(f"{name.split()[0]} exited during start; end of {logfile}:\n{tail}")
+                raise StackError(f"{name} exited during start; end of {logfile}:\n{tail}")
         if time.monotonic() > deadline:
             self.down()
             logs = ", ".join([*(b.log for b in info.brokers), info.redis_log])
@@ -506,7 +505,7 @@ class LocalStack:
     def _start_kafka(self, java: str, libs: Path, broker: BrokerInfo, voters: str, size: int,
                      secrets: sec.Secrets | None = None) -> tuple[int, Path]:
         """One KRaft node; ``size`` nodes in all, each broker and controller (one quorum of ``voters``)."""
-        name = "kafka" if size == 1 else f"kafka-{broker.node_id}"
+        name = _broker_name(broker, size)
         data = self.home / f"{name}-data"
         config = self.home / f"{name}.properties"
         replicas = min(3, size)
@@ -592,6 +591,11 @@ class LocalStack:
             "-cp", classpath, "kafka.Kafka", str(config),
         ]
         return _spawn(cmd, log), log
+
+
+def _broker_name(broker: BrokerInfo, size: int) -> str:
+    """A node's name in the stack's folder (its config, data and log) and in ``LocalStack.restarted``."""
+    return "kafka" if size == 1 else f"kafka-{broker.node_id}"
 
 
 def _redis_ready(url: str) -> bool:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from kinfer.ops.localstack.stack import BrokerInfo, LocalStack, StackInfo, process_alive
@@ -25,7 +23,7 @@ def test_another_stacks_broker_and_redis_under_recorded_pids_are_neither_counted
         local.home.mkdir()
         info = StackInfo(str(local.home), "127.0.0.1:2", "redis://127.0.0.1:3/0", redis_pid=redis.pid,
                          brokers=[BrokerInfo(1, 2, 4, pid=broker.pid)])
-        local.state_file.write_text(json.dumps(asdict(info)))
+        local._record(info)
         assert process_alive(broker.pid, "kafka.Kafka") and process_alive(redis.pid, "redis-server")
         status = local.status()
         assert status["kafka_running"] == 0 and status["redis_running"] is False and status["state"] == "down"
@@ -35,7 +33,7 @@ def test_another_stacks_broker_and_redis_under_recorded_pids_are_neither_counted
         own = LocalStack(other)
         other.mkdir()
         info.home, info.redis_url = str(other), "redis://127.0.0.1:1/0"
-        own.state_file.write_text(json.dumps(asdict(info)))
+        own._record(info)
         assert own.status()["kafka_running"] == 1 and own.status()["redis_running"] is True
     finally:
         for proc in (broker, redis):
