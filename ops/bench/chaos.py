@@ -1,9 +1,10 @@
 """``kinfer bench chaos``: availability over a long soak while processes die, one fault every 30–60 s.
 
-The fleet looks like production, on this box: three KRaft brokers (replication 3, min in-sync 2),
-Redis, three workers of a simulated accelerator (``noop`` with a fixed time per batch, so the box's
-CPU is not what limits them), the lag monitor and the telemetry stream, each kept alive by a
-supervisor that restarts what dies (as Kubernetes would), and the client library with admission on.
+The fleet looks like production, on this box: three Kafka brokers (replication 3, min in-sync 2) and
+three KRaft controllers of their own, Redis, three workers of a simulated accelerator (``noop`` with a
+fixed time per batch, so the box's CPU is not what limits them), the lag monitor and the telemetry
+stream, each kept alive by a supervisor that restarts what dies (as Kubernetes would), and the client
+library with admission on.
 Traffic is open-loop Poisson at ``rate`` (about half the fleet's capacity by default), every request
 with the same deadline (``deadline_ms``). After a quiet warm-up, a fault from the menu comes every
 30–60 s, drawn from ``seed`` (the same seed, the same faults at the same times):
@@ -30,12 +31,13 @@ recovery). ``projection``: a month at 200 requests/s with one fault of each kind
 the worst its kind cost here, and the time between at the availability outside faults.
 
 ``variants`` runs the same soak (same seed, same faults) with a mechanism switched off, one after the
-other on fresh stacks: ``no-hedging`` (the client never hedges nor avoids a partition),
-``no-failover`` (Kafka's default broker failover timings), ``no-static`` (workers join as dynamic
-members: a restarted worker waits out its old self's session), ``no-answered`` (the lag monitor counts
-queues from committed offsets alone: a commit stall reads as a stopped model), ``no-careful`` (a worker
-taking over the partitions of one killed works their next records as usual, not each alone: what the
-poison guard costs a SIGKILL).
+other on fresh stacks: ``combined`` (no controllers of their own: each broker is a controller voter
+too, so a broker fault may take the active controller with it), ``no-hedging`` (the client never
+hedges nor avoids a partition), ``no-failover`` (Kafka's default broker failover timings),
+``no-static`` (workers join as dynamic members: a restarted worker waits out its old self's session),
+``no-answered`` (the lag monitor counts queues from committed offsets alone: a commit stall reads as a
+stopped model), ``no-careful`` (a worker taking over the partitions of one killed works their next
+records as usual, not each alone: what the poison guard costs a SIGKILL).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_s
 
 FAULTS = ("worker_sigkill", "worker_sigstop", "broker_sigkill", "broker_slow", "redis_sigkill", "redis_slow",
           "lagmon_sigkill", "telemetry_sigkill")
-VARIANTS = ("all", "no-hedging", "no-failover", "no-static", "no-answered", "no-careful")
+VARIANTS = ("all", "combined", "no-hedging", "no-failover", "no-static", "no-answered", "no-careful")
 MODEL = "chaos"
 KINDS = ("ok", "refused", "expired", "error", "unaccepted", "timed_out")  # how a request can end
 
@@ -88,6 +90,7 @@ class ChaosConfig:
     faults: tuple[str, ...] = FAULTS
     hedging: bool = True
     failover: bool = True
+    controllers: int = 3  # KRaft controllers of their own (0: the brokers hold the quorum too)
     static: bool = True
     answered: bool = True  # the lag monitor reads the workers' answered reports, not committed offsets alone
     careful: bool = True  # the poison guard: after an owner's SIGKILL, its partitions' next records alone
@@ -97,6 +100,8 @@ class ChaosConfig:
             return self
         if name == "no-hedging":
             return replace(self, hedging=False)
+        if name == "combined":
+            return replace(self, controllers=0)
         if name == "no-failover":
             return replace(self, failover=False)
         if name == "no-static":
@@ -369,7 +374,7 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         "config": {"minutes": config.minutes, "rate": config.rate, "deadline_ms": config.deadline_ms,
                    "workers": config.workers, "partitions": config.partitions, "compute_ms": config.compute_ms,
                    "max_batch": config.max_batch, "seed": config.seed, "hedging": config.hedging,
-                   "failover": config.failover, "static": config.static,
+                   "failover": config.failover, "controllers": config.controllers, "static": config.static,
                    "answered": config.answered},
     }
 
@@ -442,17 +447,18 @@ def bench_chaos(config: ChaosConfig, variants: tuple[str, ...] = ("all",), keep:
                 stack: LocalStack | None = None) -> dict[str, Any]:
     """One soak per variant, each on a fresh three-broker stack; one variant: its report alone. ``keep``: a
     folder where each variant's stack and process logs stay (default: a temporary one, removed).
-    ``stack``: a running stack to soak instead (one variant, whose failover setting the stack has); it is
-    left running, its broker and Redis faults restarted as they would be on a fresh one."""
-    if stack is not None and (len(variants) != 1 or stack.failover != config.variant(variants[0]).failover):
-        raise ValueError("a given stack runs one variant, with the stack's own failover setting")
+    ``stack``: a running stack to soak instead (one variant, whose failover setting and controllers the stack
+    has); it is left running, its broker and Redis faults restarted as they would be on a fresh one."""
+    if stack is not None and (len(variants) != 1 or (stack.failover, stack.controllers) != (
+            (c := config.variant(variants[0])).failover, c.controllers)):
+        raise ValueError("a given stack runs one variant, with the stack's own failover setting and controllers")
     reports: dict[str, Any] = {}
     for name in variants:
         c = config.variant(name)
         log(f"chaos {name}: {c.minutes:g} min at {c.rate:g}/s, deadline {c.deadline_ms} ms, seed {c.seed}")
         with tempfile.TemporaryDirectory(prefix="kinfer-chaos-") as tmp:
             home = Path(keep) / name if keep is not None else Path(tmp)
-            local = stack or LocalStack(home / "stack", brokers=3, failover=c.failover)
+            local = stack or LocalStack(home / "stack", brokers=3, failover=c.failover, controllers=c.controllers)
             info, _ = local.up(timeout_s=180)
             logs = home / "logs"
             logs.mkdir(parents=True, exist_ok=True)

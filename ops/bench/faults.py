@@ -398,7 +398,8 @@ def bench_faults(rate: float | None = None, before_s: float | None = None, after
     report: dict[str, Any] = {**given, "cycles": cycles, "workers": "noop", "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="kinfer-faults-") as tmp:
         for brokers in sorted({s.brokers for s in chosen}):
-            local = LocalStack(Path(tmp) / f"stack-{brokers}", brokers=brokers)
+            # Several brokers run as production runs them: a metadata quorum of three controllers of its own.
+            local = LocalStack(Path(tmp) / f"stack-{brokers}", brokers=brokers, controllers=3 if brokers > 1 else 0)
             with local_stack(stack=local, timeout_s=180) as info:
                 for scenario in (s for s in chosen if s.brokers == brokers):
                     log(f"{scenario.name} ...")

@@ -17,7 +17,10 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--home", help="stack folder (default: $KINFER_HOME, else ~/.local/state/kinfer)")
     s.add_argument("--kafka-port", type=int, help="default: a free port")
     s.add_argument("--redis-port", type=int, help="default: a free port")
-    s.add_argument("--brokers", type=int, default=1, help="KRaft nodes in the local cluster (one machine) [1]")
+    s.add_argument("--brokers", type=int, default=1, help="Kafka brokers in the local cluster (one machine) [1]")
+    s.add_argument("--controllers", type=int, default=0,
+                   help="KRaft controllers of their own, as production runs them (0: every broker is a "
+                        "controller voter too) [0]")
     s.add_argument("--secure", action=argparse.BooleanOptionalAction, default=None,
                    help="up: Kafka over SASL_SSL (SCRAM-SHA-512) with ACLs, Redis with ACL users "
                         "(default: as the stack in --home was; a new one is not secure)")
@@ -29,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from kinfer.ops.localstack.stack import LocalStack, StackError, apply_acls, fetch_kafka
 
     stack = LocalStack(Path(args.home) if args.home else None, args.kafka_port, args.redis_port, args.brokers,
-                       secure=args.secure)
+                       secure=args.secure, controllers=args.controllers)
     if args.action == "fetch":
         print(fetch_kafka())
     elif args.action == "up":

@@ -654,6 +654,9 @@ async def create_acls(bootstrap: str, options: dict[str, Any], tenants: Mapping[
         await tls_closes_settled()
 
 
+# A KRaft controller of its own (not a broker too) has node id 101, 102, ...: never a broker's.
+CONTROLLER_IDS = 100
+
 # How fast a replicated cluster gets over a broker that died or stalls (Kafka's defaults: 9 s to fence a
 # broker that stopped heartbeating, 30 s before a stalled follower leaves the in-sync set). With acks=all,
 # every partition that broker follows waits on it until then: with three brokers, every partition. These

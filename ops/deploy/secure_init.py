@@ -9,7 +9,7 @@ writes the files that takes, and applies what only a running cluster can take:
 
 ``init`` (the one-shot ``secrets`` service, before anything else starts) creates what is missing in
 the private state volume and keeps what is there — a random password per principal and the request
-signing secret (``ops.deploy.secure.Secrets``), the cluster id, a CA, a certificate per broker whose SANs
+signing secret (``ops.deploy.secure.Secrets``), the cluster id, a CA, a certificate per Kafka node whose SANs
 are its service name, the host listener's name, localhost and 127.0.0.1 (issued again within 30 days
 of its end or when the names change) — and then writes each consumer's own volume from it, owned by
 the user that consumer's image runs as (``OWNERS``), so that a container sees its own secrets only:
@@ -18,7 +18,7 @@ the user that consumer's image runs as (``OWNERS``), so that a container sees it
                  signing-retired, grafana-admin-password            (init, setup, rotate only)
     kafka/       cluster-id, scram-args (StorageTool's --add-scram, one argument a line), ca.pem,
                  admin.properties (the CLI tools' admin login: healthchecks, kafka-configs),
-                 <broker>/server.properties, <broker>/broker-keystore.pem, <broker>/ca.pem
+                 <node>/server.properties, <node>/broker-keystore.pem, <node>/ca.pem (brokers and controllers)
     redis/       users.acl (ops.deploy.secure.redis_acl_text: passwords as SHA-256)
     grafana/     admin-password
     <principal>/ ca.pem, password, signing-secret (worker, gateway, admin: current first, then retired)
@@ -66,9 +66,13 @@ REDIS_VERSION = (7, 2)  # docker-compose.yml's redis image
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Where the brokers are: names, ports, and the paths inside their containers."""
+    """Where the Kafka nodes are: names, ports, and the paths inside their containers."""
 
     brokers: tuple[str, ...] = ("kafka-1", "kafka-2", "kafka-3")  # compose service names = node ids 1..n
+    # KRaft controllers of their own, as production runs them (compose service names = node ids 101..):
+    # a broker that dies or stalls takes no part of the metadata quorum with it. Empty: each broker is a
+    # controller voter too (combined mode).
+    controllers: tuple[str, ...] = ("kafka-controller-1", "kafka-controller-2", "kafka-controller-3")
     host_name: str = "localhost"  # what the HOST listener advertises (and its certificate names)
     host_port: int = 19092  # the first broker's HOST listener; the next ones count up
     kafka_dir: str = "/run/kinfer/kafka"  # where a broker mounts its secrets volume
@@ -77,11 +81,26 @@ class Layout:
     controller_port: int = 9093  # CONTROLLER: mutual TLS, nodes only
 
     def __post_init__(self) -> None:
-        if not self.brokers or len(set(self.brokers)) != len(self.brokers):
-            raise ValueError(f"brokers must be distinct names, got {self.brokers}")
-        for name in (*self.brokers, self.host_name):
+        if not self.brokers or len(set(self.nodes)) != len(self.nodes):
+            raise ValueError(f"brokers and controllers must be distinct names, got {self.nodes}")
+        for name in (*self.nodes, self.host_name):
             if not all(part and part.replace("-", "").isalnum() for part in name.split(".")):
                 raise ValueError(f"{name!r} is not a host name")
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every Kafka node: the controllers (if any), then the brokers."""
+        return (*self.controllers, *self.brokers)
+
+    def node_id(self, name: str) -> int:
+        if name in self.controllers:
+            return sec.CONTROLLER_IDS + self.controllers.index(name) + 1
+        return self.brokers.index(name) + 1
+
+    @property
+    def voters(self) -> str:
+        """``controller.quorum.voters``: the controllers, or every broker where there are none."""
+        return ",".join(f"{self.node_id(n)}@{n}:{self.controller_port}" for n in self.controllers or self.brokers)
 
     def host_port_of(self, index: int) -> int:
         return self.host_port + index
@@ -94,8 +113,9 @@ class Layout:
     def host_bootstrap(self) -> str:
         return ",".join(f"{self.host_name}:{self.host_port_of(i)}" for i in range(len(self.brokers)))
 
-    def broker_dns_names(self, index: int) -> list[str]:
-        return list(dict.fromkeys([self.brokers[index], self.host_name, "localhost"]))
+    def dns_names(self, node: str) -> list[str]:
+        """What a node's certificate names: its service name, the host listener's name, localhost."""
+        return list(dict.fromkeys([node, self.host_name, "localhost"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,8 +194,8 @@ def ensure_state(root: Path, layout: Layout, tenants: Mapping[str, int] | None =
     state = load_state(root)
     (root / "brokers").mkdir(mode=0o700, exist_ok=True)
     ca_key_pem, ca_pem = files.ca_key.read_bytes(), files.ca_cert.read_bytes()
-    for i, name in enumerate(layout.brokers):
-        dns, ips = layout.broker_dns_names(i), ["127.0.0.1"]
+    for name in layout.nodes:
+        dns, ips = layout.dns_names(name), ["127.0.0.1"]
         key_path, cert_path = state.broker_key(name), state.broker_cert(name)
         if key_path.exists() and cert_path.exists() and cert_is_current(cert_path.read_bytes(), ca_pem, dns, ips):
             continue
@@ -220,20 +240,20 @@ def cert_is_current(cert_pem: bytes, ca_pem: bytes, dns_names: Sequence[str], ip
 
 
 def broker_properties(layout: Layout, index: int, admin_password: str) -> str:
-    """A compose broker's whole server.properties (broker and controller in one process)."""
+    """A compose broker's whole server.properties (a controller voter too where the layout has no controllers)."""
     name = layout.brokers[index]
     own = sec.SecureFiles(Path(layout.kafka_dir) / name)  # its keystore and the CA, in its volume
-    voters = ",".join(f"{i + 1}@{b}:{layout.controller_port}" for i, b in enumerate(layout.brokers))
     client, controller = sec.CLIENT_LISTENER, sec.CONTROLLER_LISTENER
     host_port = layout.host_port_of(index)
     replicas = min(3, len(layout.brokers))
     insync = max(1, replicas - 1)
+    combined = not layout.controllers
     lines = [
-        "process.roles=broker,controller",
-        f"node.id={index + 1}",
-        f"controller.quorum.voters={voters}",
-        f"listeners={client}://0.0.0.0:{layout.client_port},{HOST_LISTENER}://0.0.0.0:{host_port},"
-        f"{controller}://0.0.0.0:{layout.controller_port}",
+        f"process.roles={'broker,controller' if combined else 'broker'}",
+        f"node.id={layout.node_id(name)}",
+        f"controller.quorum.voters={layout.voters}",
+        f"listeners={client}://0.0.0.0:{layout.client_port},{HOST_LISTENER}://0.0.0.0:{host_port}"
+        + (f",{controller}://0.0.0.0:{layout.controller_port}" if combined else ""),
         f"advertised.listeners={client}://{name}:{layout.client_port},"
         f"{HOST_LISTENER}://{layout.host_name}:{host_port}",
         f"controller.listener.names={controller}",
@@ -250,6 +270,24 @@ def broker_properties(layout: Layout, index: int, admin_password: str) -> str:
         f"min.insync.replicas={insync}",
         "group.initial.rebalance.delay.ms=0",
         *sec.FAILOVER_PROPERTIES,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def controller_properties(layout: Layout, index: int, admin_password: str) -> str:
+    """A compose controller's whole server.properties: the metadata quorum's voter, on mutual TLS only."""
+    name = layout.controllers[index]
+    own = sec.SecureFiles(Path(layout.kafka_dir) / name)
+    controller = sec.CONTROLLER_LISTENER
+    lines = [
+        "process.roles=controller",
+        f"node.id={layout.node_id(name)}",
+        f"controller.quorum.voters={layout.voters}",
+        f"listeners={controller}://0.0.0.0:{layout.controller_port}",
+        f"controller.listener.names={controller}",
+        *sec.kafka_security_properties(own, admin_password),  # the CLIENT lines are unused here
+        f"log.dirs={layout.data_dir}",
+        *sec.FAILOVER_PROPERTIES,  # the controllers fence a broker whose heartbeats stop
     ]
     return "\n".join(lines) + "\n"
 
@@ -306,12 +344,14 @@ def write_volumes(out: Path, state: State, layout: Layout, principals: Iterable[
     w.file(kafka / "ca.pem", ca, uid["kafka"])
     w.file(kafka / "admin.properties",
            admin_client_properties(f"{layout.kafka_dir}/ca.pem", admin_password), uid["kafka"])
-    for i, name in enumerate(layout.brokers):
+    properties = [*(controller_properties(layout, i, admin_password) for i in range(len(layout.controllers))),
+                  *(broker_properties(layout, i, admin_password) for i in range(len(layout.brokers)))]
+    for name, text in zip(layout.nodes, properties, strict=True):
         node = w.folder(kafka / name, uid["kafka"])
         key, cert = state.broker_key(name).read_bytes(), state.broker_cert(name).read_bytes()
         w.file(node / "broker-keystore.pem", key + cert + ca, uid["kafka"])  # ssl.keystore.type=PEM
         w.file(node / "ca.pem", ca, uid["kafka"])
-        w.file(node / "server.properties", broker_properties(layout, i, admin_password), uid["kafka"])
+        w.file(node / "server.properties", text, uid["kafka"])
 
     redis = w.folder(out / "redis", uid["redis"])
     w.file(redis / "users.acl", sec.redis_acl_text(secrets, redis_version), uid["redis"])
@@ -512,6 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
         d = Layout()
         q.add_argument("--broker", action="append", dest="brokers",
                        help=f"a broker's service name, in node id order (repeat) [{', '.join(d.brokers)}]")
+        quorum = q.add_mutually_exclusive_group()
+        quorum.add_argument("--controller", action="append", dest="controllers",
+                            help=f"a KRaft controller's service name (repeat) [{', '.join(d.controllers)}]")
+        quorum.add_argument("--combined", action="store_true",
+                            help="no controllers of their own: each broker is a controller voter too")
         q.add_argument("--host-name", default=d.host_name, help="the HOST listener's advertised name [%(default)s]")
         q.add_argument("--host-port", type=int, default=d.host_port,
                        help="the first broker's HOST listener port; the next ones count up [%(default)s]")
@@ -554,7 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def layout_from(args: argparse.Namespace) -> Layout:
-    return Layout(brokers=tuple(args.brokers or Layout().brokers), host_name=args.host_name,
+    controllers = () if args.combined else tuple(args.controllers or Layout().controllers)
+    return Layout(brokers=tuple(args.brokers or Layout().brokers), controllers=controllers, host_name=args.host_name,
                   host_port=args.host_port, kafka_dir=args.kafka_dir)
 
 
@@ -568,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             state = ensure_state(state_dir, layout, _pairs(args.tenant, "--tenant"))
             written = write_volumes(Path(args.out), state, layout, args.principals or COMPOSE_PRINCIPALS,
                                     _pairs(args.owner, "--owner"), (int(major), int(minor or 0)))
-            print(f"secrets: {len(written)} files written for brokers {', '.join(layout.brokers)}; principals: "
+            print(f"secrets: {len(written)} files written for Kafka nodes {', '.join(layout.nodes)}; principals: "
                   f"{', '.join(state.secrets.principals)}")
         elif args.action == "setup":
             bootstrap, redis_url = os.environ.get("KINFER_BOOTSTRAP"), os.environ.get("KINFER_REDIS_URL")

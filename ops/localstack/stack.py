@@ -1,6 +1,11 @@
 """The local stack: a real KRaft Kafka cluster (one node, or ``--brokers N`` on this one machine)
 and a real Redis on 127.0.0.1.
 
+A cluster's nodes are each a broker and a controller voter (KRaft's combined mode), unless it has
+controllers of its own (``--controllers N``): then the brokers only serve data and N controller-only
+nodes hold the metadata quorum, as production runs them. A broker that dies or stalls then takes no
+controller with it: the quorum keeps electing partition leaders and fencing the stalled broker.
+
 Kafka's jars come from Maven Central through Maven (pinned version, cached in ``topics.paths.cache_dir()``);
 Redis is Debian's ``redis-server``. Both run as detached processes whose pids, ports and log files
 are recorded in ``<home>/stack.json``; ``up`` reuses a running stack and restarts only what is down,
@@ -195,14 +200,24 @@ def _reap(pid: int) -> None:
 
 
 @dataclass(slots=True)
-class BrokerInfo:
-    """One KRaft node (broker and controller in one process) of the local cluster."""
+class KafkaNode:
+    """One KRaft node of the local cluster: a broker, a controller, or both in one process (``roles``,
+    Kafka's ``process.roles``; a record without it is of a combined node)."""
 
     node_id: int
-    port: int  # the client listener
-    controller_port: int
+    port: int  # the client listener (0: a controller only)
+    controller_port: int  # the controller listener (0: a broker only)
     pid: int = 0
     log: str = ""
+    roles: str = "broker,controller"
+
+    @property
+    def controller(self) -> bool:
+        return "controller" in self.roles.split(",")
+
+    @property
+    def broker(self) -> bool:
+        return "broker" in self.roles.split(",")
 
 
 @dataclass(slots=True)
@@ -212,7 +227,8 @@ class StackInfo:
     redis_url: str
     redis_pid: int = 0
     redis_log: str = ""
-    brokers: list[BrokerInfo] = field(default_factory=list)  # empty for an external stack
+    brokers: list[KafkaNode] = field(default_factory=list)  # empty for an external stack
+    controllers: list[KafkaNode] = field(default_factory=list)  # empty: every broker is a controller too
     # SASL_SSL + ACLs on Kafka, ACL users on Redis; ``redis_url`` then names no user (see ``env``).
     secure: bool = False
 
@@ -228,8 +244,9 @@ class StackInfo:
                 port = int(str(data["bootstrap"]).rsplit(":", 1)[1])
                 data["brokers"] = [{"node_id": 1, "port": port, "controller_port": data.pop("controller_port", 0),
                                     "pid": data.pop("kafka_pid"), "log": data.pop("kafka_log")}]
-            brokers = [BrokerInfo(**b) for b in data.pop("brokers")]
-            return cls(**data, brokers=brokers)
+            brokers = [KafkaNode(**b) for b in data.pop("brokers")]
+            controllers = [KafkaNode(**c) for c in data.pop("controllers", [])]
+            return cls(**data, brokers=brokers, controllers=controllers)
         except (KeyError, TypeError):
             return None
 
@@ -241,6 +258,16 @@ class StackInfo:
     @property
     def kafka_pids(self) -> list[int]:
         return [b.pid for b in self.brokers]
+
+    @property
+    def nodes(self) -> list[KafkaNode]:
+        """Every Kafka process: the dedicated controllers (if any), then the brokers."""
+        return [*self.controllers, *self.brokers]
+
+    @property
+    def voters(self) -> str:
+        """``controller.quorum.voters``: the nodes that are controllers."""
+        return ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes if n.controller)
 
     @property
     def redis_port(self) -> int:
@@ -292,16 +319,21 @@ class LocalStack:
     REDIS_NEEDLE = "redis-server"
 
     def __init__(self, home: Path | None = None, kafka_port: int | None = None, redis_port: int | None = None,
-                 brokers: int = 1, secure: bool | None = None, failover: bool = True):
+                 brokers: int = 1, secure: bool | None = None, failover: bool = True, controllers: int = 0):
         """``failover``: a cluster of several brokers gets over a dead or stalled one in seconds
-        (``ops.deploy.secure.FAILOVER_PROPERTIES``); False keeps Kafka's defaults."""
+        (``ops.deploy.secure.FAILOVER_PROPERTIES``); False keeps Kafka's defaults. ``controllers``: that
+        many controller-only nodes hold the metadata quorum, and the brokers are brokers only (0: each
+        broker is a controller voter too)."""
         if not 1 <= brokers <= 9:
             raise StackError(f"brokers must be within 1..9, got {brokers}")
+        if not 0 <= controllers <= 9:
+            raise StackError(f"controllers must be within 0..9, got {controllers}")
         self.restarted: list[str] = []  # what the last ``up`` started
         self.home = (home or state_dir()).resolve()
         self.kafka_port = kafka_port
         self.redis_port = redis_port
         self.brokers = brokers
+        self.controllers = controllers
         # None: as before (a stack, or storage, that was secure comes back secure); a new stack is not.
         self.secure = secure
         self.failover = failover
@@ -321,7 +353,7 @@ class LocalStack:
         caller that stops what it started never stops a stack someone else is using. What was
         restarted is in ``self.restarted``. Prerequisites are checked before anything starts, so a
         missing ``java`` or ``redis-server`` leaves no orphan behind. A running stack keeps its own
-        number of brokers (``brokers`` applies to a new one), and its security: ``secure`` that
+        brokers and controllers (``brokers`` and ``controllers`` apply to a new one), and its security: ``secure`` that
         differs from a running stack's is an error; a stack that is not running comes back as it
         was (as recorded, or as its Kafka storage was formatted) unless ``secure`` says otherwise.
         """
@@ -338,23 +370,18 @@ class LocalStack:
                              f"{'--no-secure' if info.secure else '--secure'}")
         fresh = info is None
         if info is None:
-            first = self.kafka_port or free_port()
-            ports = [first, *(free_port() for _ in range(self.brokers - 1))]
-            redis_port = self.redis_port or free_port()
-            nodes = [BrokerInfo(i + 1, port, free_port()) for i, port in enumerate(ports)]
-            info = StackInfo(str(self.home), ",".join(f"127.0.0.1:{b.port}" for b in nodes),
-                             f"redis://127.0.0.1:{redis_port}/0", brokers=nodes, secure=secure)
+            info = self._new(secure)
         secrets = None
         if secure:  # created once, kept: the brokers' storage is formatted with these passwords
             self.home.mkdir(parents=True, exist_ok=True)
             secrets = sec.ensure_secure_dir(info.secure_files.root)[1]
         redis_url, kafka_opts = info.redis_url_for(), _stack_kafka_options(info)  # admin's, when secure
-        dead = [b for b in info.brokers if not process_alive(b.pid, self._kafka(b, info))]
+        dead = [n for n in info.nodes if not process_alive(n.pid, self._kafka(n, info))]
         redis_ok = process_alive(info.redis_pid, self._redis(info)) and _redis_ready(redis_url)
         if not dead and redis_ok:
             if asyncio.run(_kafka_ready(info.bootstrap, timeout_s=5, brokers=len(info.brokers), options=kafka_opts)):
                 return info, False
-            dead = list(info.brokers)  # alive but not answering: replaced
+            dead = info.nodes  # alive but not answering: replaced
         java = libs = redis_bin = None
         if dead:
             libs = fetch_kafka()
@@ -373,18 +400,18 @@ class LocalStack:
             self.restarted.append("redis")
             self._record(info)  # recorded at once: `down` finds it even if a broker fails to start
         if java is not None and libs is not None:
-            for broker in info.brokers:
-                broker.controller_port = broker.controller_port or free_port()  # an older record has none
-            voters = ",".join(f"{b.node_id}@127.0.0.1:{b.controller_port}" for b in info.brokers)
-            if secrets is not None and len(dead) == len(info.brokers):
-                for broker in dead:
-                    _stop(broker.pid, self._kafka(broker, info))
+            for node in info.nodes:
+                if node.controller:
+                    node.controller_port = node.controller_port or free_port()  # an older record has none
+            if secrets is not None and len(dead) == len(info.nodes):
+                for node in dead:
+                    _stop(node.pid, self._kafka(node, info))
                 self._clear_storage_unless_formatted_for(secrets)
-            for broker in dead:
-                _stop(broker.pid, self._kafka(broker, info))
-                pid, log = self._start_kafka(java, libs, broker, voters, len(info.brokers), secrets)
-                broker.pid, broker.log = pid, str(log)
-                self.restarted.append(_broker_name(broker, len(info.brokers)))
+            for node in dead:
+                _stop(node.pid, self._kafka(node, info))
+                pid, log = self._start_kafka(java, libs, node, info, secrets)
+                node.pid, node.log = pid, str(log)
+                self.restarted.append(_node_name(node, info))
                 self._record(info)
         deadline = time.monotonic() + timeout_s
         while not _redis_ready(redis_url):
@@ -404,11 +431,25 @@ class LocalStack:
                 raise StackError(f"applying the ACLs failed: {exc}") from exc
         return info, fresh
 
-    def _kafka(self, broker: BrokerInfo, info: StackInfo) -> str:
-        """What this stack's broker has in its command line: its own config file. PIDs are reused (within
+    def _new(self, secure: bool) -> StackInfo:
+        """A new stack's layout, on free ports (or those given): nothing started yet."""
+        first = self.kafka_port or free_port()
+        ports = [first, *(free_port() for _ in range(self.brokers - 1))]
+        redis_port = self.redis_port or free_port()
+        if self.controllers:
+            brokers = [KafkaNode(i + 1, port, 0, roles="broker") for i, port in enumerate(ports)]
+            quorum = [KafkaNode(sec.CONTROLLER_IDS + i + 1, 0, free_port(), roles="controller")
+                      for i in range(self.controllers)]
+        else:
+            brokers, quorum = [KafkaNode(i + 1, port, free_port()) for i, port in enumerate(ports)], []
+        return StackInfo(str(self.home), ",".join(f"127.0.0.1:{b.port}" for b in brokers),
+                         f"redis://127.0.0.1:{redis_port}/0", brokers=brokers, controllers=quorum, secure=secure)
+
+    def _kafka(self, node: KafkaNode, info: StackInfo) -> str:
+        """What this stack's Kafka node has in its command line: its own config file. PIDs are reused (within
         minutes where pid_max is 32768 and JVM threads take PIDs too), and a reused one may well be another
         stack's broker: the class name alone would let ``down`` or ``up`` stop it."""
-        return f"{self.KAFKA_NEEDLE} {self.home / f'{_broker_name(broker, len(info.brokers))}.properties'}"
+        return f"{self.KAFKA_NEEDLE} {self.home / f'{_node_name(node, info)}.properties'}"
 
     def _redis(self, info: StackInfo) -> Needle:
         """What this stack's Redis has in its command line: its own port, in the arguments it was started
@@ -417,7 +458,7 @@ class LocalStack:
 
     def _any_alive(self, info: StackInfo) -> bool:
         return process_alive(info.redis_pid, self._redis(info)) or any(
-            process_alive(b.pid, self._kafka(b, info)) for b in info.brokers)
+            process_alive(n.pid, self._kafka(n, info)) for n in info.nodes)
 
     def _record(self, info: StackInfo) -> None:
         self.state_file.write_text(json.dumps(asdict(info), indent=2))
@@ -429,7 +470,9 @@ class LocalStack:
             self.state_file.unlink(missing_ok=True)  # an unreadable record of an older layout
             return False
         was = self._any_alive(info)
+        # The brokers first, while the quorum they shut down through still stands; then the controllers.
         _stop_all([(b.pid, self._kafka(b, info)) for b in info.brokers])
+        _stop_all([(c.pid, self._kafka(c, info)) for c in info.controllers])
         _stop(info.redis_pid, self._redis(info))
         self.state_file.unlink(missing_ok=True)
         return was
@@ -439,12 +482,14 @@ class LocalStack:
         if info is None:
             return {"home": str(self.home), "state": "down"}
         brokers = [process_alive(b.pid, self._kafka(b, info)) for b in info.brokers]
+        controllers = [process_alive(c.pid, self._kafka(c, info)) for c in info.controllers]
         redis = process_alive(info.redis_pid, self._redis(info))
-        running = sum(brokers) + redis
+        running = sum(brokers) + sum(controllers) + redis
         return {
             **asdict(info),
-            "state": "up" if running == len(brokers) + 1 else "degraded" if running else "down",
+            "state": "up" if running == len(info.nodes) + 1 else "degraded" if running else "down",
             "kafka_running": sum(brokers),
+            "controllers_running": sum(controllers),
             "redis_running": redis,
         }
 
@@ -452,7 +497,7 @@ class LocalStack:
 
     def _check_started(self, info: StackInfo, deadline: float) -> None:
         for pid, needle, name, logfile in (
-            *((b.pid, self._kafka(b, info), self.KAFKA_NEEDLE, b.log) for b in info.brokers),
+            *((n.pid, self._kafka(n, info), self.KAFKA_NEEDLE, n.log) for n in info.nodes),
             (info.redis_pid, self._redis(info), self.REDIS_NEEDLE, info.redis_log),
         ):
             if not process_alive(pid, needle):
@@ -461,7 +506,7 @@ class LocalStack:
                 raise StackError(f"{name} exited during start; end of {logfile}:\n{tail}")
         if time.monotonic() > deadline:
             self.down()
-            logs = ", ".join([*(b.log for b in info.brokers), info.redis_log])
+            logs = ", ".join([*(n.log for n in info.nodes), info.redis_log])
             raise StackError(f"stack did not become ready; logs: {logs}")
 
     def _start_redis(self, redis_bin: str, port: int, secrets: sec.Secrets | None = None) -> tuple[int, Path]:
@@ -502,34 +547,30 @@ class LocalStack:
             return False
         return marked and any((d / "meta.properties").exists() for d in self.home.glob("kafka*-data"))
 
-    def _start_kafka(self, java: str, libs: Path, broker: BrokerInfo, voters: str, size: int,
+    def _start_kafka(self, java: str, libs: Path, node: KafkaNode, info: StackInfo,
                      secrets: sec.Secrets | None = None) -> tuple[int, Path]:
-        """One KRaft node; ``size`` nodes in all, each broker and controller (one quorum of ``voters``)."""
-        name = _broker_name(broker, size)
+        """One KRaft node of ``info``'s cluster: a broker, a controller, or both (``node.roles``)."""
+        name = _node_name(node, info)
         data = self.home / f"{name}-data"
         config = self.home / f"{name}.properties"
-        replicas = min(3, size)
-        if secrets is None:
-            listeners = [
-                f"listeners=PLAINTEXT://127.0.0.1:{broker.port},CONTROLLER://127.0.0.1:{broker.controller_port}",
-                f"advertised.listeners=PLAINTEXT://127.0.0.1:{broker.port}",
-                "controller.listener.names=CONTROLLER",
-                "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-            ]
-        else:
-            client, controller = sec.CLIENT_LISTENER, sec.CONTROLLER_LISTENER
-            listeners = [
-                f"listeners={client}://127.0.0.1:{broker.port},{controller}://127.0.0.1:{broker.controller_port}",
-                f"advertised.listeners={client}://127.0.0.1:{broker.port}",
-                f"controller.listener.names={controller}",
-                *sec.kafka_security_properties(sec.SecureFiles(self.home / "secure"), secrets.password(sec.ADMIN)),
-            ]
+        replicas = min(3, len(info.brokers))
+        client, controller = ("PLAINTEXT", "CONTROLLER") if secrets is None else (sec.CLIENT_LISTENER,
+                                                                                 sec.CONTROLLER_LISTENER)
+        own = [*([f"{client}://127.0.0.1:{node.port}"] if node.broker else []),
+               *([f"{controller}://127.0.0.1:{node.controller_port}"] if node.controller else [])]
+        listeners = [
+            f"listeners={','.join(own)}",
+            *([f"advertised.listeners={client}://127.0.0.1:{node.port}"] if node.broker else []),
+            f"controller.listener.names={controller}",
+            *(["listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"] if secrets is None else
+              sec.kafka_security_properties(sec.SecureFiles(self.home / "secure"), secrets.password(sec.ADMIN))),
+        ]
         text = (
             "\n".join(
                 [
-                    "process.roles=broker,controller",
-                    f"node.id={broker.node_id}",
-                    f"controller.quorum.voters={voters}",
+                    f"process.roles={node.roles}",
+                    f"node.id={node.node_id}",
+                    f"controller.quorum.voters={info.voters}",
                     *listeners,
                     f"log.dirs={data}",
                     "num.partitions=1",
@@ -542,7 +583,7 @@ class LocalStack:
                     f"min.insync.replicas={max(1, replicas - 1)}",
                     "group.initial.rebalance.delay.ms=0",
                     "log.retention.hours=24",
-                    *(sec.FAILOVER_PROPERTIES if size > 1 and self.failover else ()),
+                    *(sec.FAILOVER_PROPERTIES if len(info.brokers) > 1 and self.failover else ()),
                     "",
                 ]
             )
@@ -583,9 +624,11 @@ class LocalStack:
                 self._storage_marker.unlink(missing_ok=True)
             else:
                 self._storage_marker.write_text(_secure_mark(secrets) + "\n")
-        heap = "-Xmx1g" if size == 1 else "-Xmx512m"
+        # A controller holds the cluster's metadata alone: a fraction of a broker's heap.
+        heap = ["-Xms128m", "-Xmx256m"] if not node.broker else ["-Xms256m", "-Xmx1g" if len(info.brokers) == 1
+                                                                 else "-Xmx512m"]
         cmd = [
-            java, "-Xms256m", heap, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
+            java, *heap, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
             *shlex.split(os.environ.get("KAFKA_OPTS", "")),
             f"-Dlog4j.configuration=file:{log4j}", f"-Dkafka.logs.dir={self.home}",
             "-cp", classpath, "kafka.Kafka", str(config),
@@ -593,9 +636,11 @@ class LocalStack:
         return _spawn(cmd, log), log
 
 
-def _broker_name(broker: BrokerInfo, size: int) -> str:
+def _node_name(node: KafkaNode, info: StackInfo) -> str:
     """A node's name in the stack's folder (its config, data and log) and in ``LocalStack.restarted``."""
-    return "kafka" if size == 1 else f"kafka-{broker.node_id}"
+    if not node.broker:
+        return f"controller-{node.node_id - sec.CONTROLLER_IDS}"
+    return "kafka" if len(info.brokers) == 1 else f"kafka-{node.node_id}"
 
 
 def _redis_ready(url: str) -> bool:

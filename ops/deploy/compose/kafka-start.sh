@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# A compose broker (apache/kafka image): format the storage once, with every principal's SCRAM
+# A compose Kafka node, broker or controller (apache/kafka image): format the storage once, with every principal's SCRAM
 # credential (KIP-900; what `kinfer stack up --secure` does), then run Kafka with the
 # server.properties the `secrets` service wrote (python -m kinfer.ops.deploy.secure_init init).
 #
 # The image's own start script configures Kafka from KAFKA_* variables and formats without
-# --add-scram; this one replaces it. KINFER_NODE names the broker (its folder in the volume).
+# --add-scram; this one replaces it. KINFER_NODE names the node (its folder in the volume).
 set -euo pipefail
 
-node="${KINFER_NODE:?KINFER_NODE must name the broker (kafka-1, ...)}"
+node="${KINFER_NODE:?KINFER_NODE must name the node (kafka-1, kafka-controller-1, ...)}"
 secrets="${KINFER_KAFKA_SECRETS:-/run/kinfer/kafka}"
 config="$secrets/$node/server.properties"
 bin="${KAFKA_HOME:-/opt/kafka}/bin"

@@ -52,17 +52,21 @@ def test_recovery_ends_at_the_first_quiet_stretch() -> None:
 def test_each_variant_switches_off_one_mechanism(name: str) -> None:
     c = ChaosConfig().variant(name)
     off = [k for k in ("hedging", "failover", "static", "answered", "careful") if not getattr(c, k)]
+    off += ["combined"] if c.controllers == 0 else []  # the quorum on the brokers: no controllers of its own
     assert off == ([] if name == "all" else [name.removeprefix("no-")])
     with pytest.raises(ValueError):
         ChaosConfig().variant("no-such")
 
 
-def test_a_given_stack_runs_one_variant_with_its_own_failover(tmp_path: Path) -> None:
-    """Refused before anything starts: a variant's failover is a broker setting, fixed when the stack started."""
+def test_a_given_stack_runs_one_variant_with_its_own_failover_and_quorum(tmp_path: Path) -> None:
+    """Refused before anything starts: a variant's failover and controllers are the stack's, fixed when it started."""
+    shaped = LocalStack(tmp_path, brokers=3, controllers=3)
     with pytest.raises(ValueError, match="one variant"):
-        bench_chaos(ChaosConfig(), ("all", "no-hedging"), stack=LocalStack(tmp_path, brokers=3))
+        bench_chaos(ChaosConfig(), ("all", "no-hedging"), stack=shaped)
     with pytest.raises(ValueError, match="failover"):
-        bench_chaos(ChaosConfig(), ("no-failover",), stack=LocalStack(tmp_path, brokers=3))
+        bench_chaos(ChaosConfig(), ("no-failover",), stack=shaped)
+    with pytest.raises(ValueError, match="controllers"):
+        bench_chaos(ChaosConfig(), ("all",), stack=LocalStack(tmp_path, brokers=3))
     assert not any(tmp_path.iterdir())
 
 

@@ -353,14 +353,21 @@ def test_the_secrets_job_writes_the_volumes_their_readers_mount() -> None:
     grafana = services["grafana"]
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == \
         f"{mounts(grafana)['secrets-grafana'][0]}/admin-password"
-    assert readers["secrets-kafka"] == {"kafka-1", "kafka-2", "kafka-3"}
+    assert readers["secrets-kafka"] == {"kafka-1", "kafka-2", "kafka-3", "kafka-controller-1", "kafka-controller-2",
+                                        "kafka-controller-3"}
 
 
-def test_the_brokers_are_the_layout_the_secrets_job_configured() -> None:
+def test_the_kafka_nodes_are_the_layout_the_secrets_job_configured() -> None:
     services = compose_services()
     layout = si.layout_from(secure_init_args(services["secrets"]))
-    brokers = [name for name, service in services.items() if service.get("image", "").startswith("apache/kafka:")]
-    assert brokers == list(layout.brokers)
+    nodes = [name for name, service in services.items() if service.get("image", "").startswith("apache/kafka:")]
+    assert nodes == list(layout.nodes) and len(layout.controllers) == len(layout.brokers) == 3
+    for name in layout.controllers:  # the quorum of its own: no client listener, nothing published
+        service = services[name]
+        assert service["environment"] == {"KINFER_NODE": name} and "ports" not in service
+        assert mounts(service)[name] == (layout.data_dir, False)
+        assert f"/{layout.controller_port}" in service["healthcheck"]["test"][1]
+        assert service["command"] == services[layout.brokers[0]]["command"]
     for i, name in enumerate(layout.brokers):
         service = services[name]
         assert service["environment"] == {"KINFER_NODE": name}

@@ -68,18 +68,19 @@ def test_the_state_is_made_once_and_kept(tmp_path: Path) -> None:
         si.ensure_state(root, LAYOUT, {"bad": 5})
 
 
-def test_broker_certificates_verify_against_the_ca_with_their_names(made: tuple[si.State, Path, list[Path]]) -> None:
+def test_node_certificates_verify_against_the_ca_with_their_names(made: tuple[si.State, Path, list[Path]]) -> None:
     from cryptography import x509
 
     state, out, _ = made
     ca = x509.load_pem_x509_certificate(state.files.ca_cert.read_bytes())
     client = ssl.create_default_context(cafile=str(state.files.ca_cert))
-    for i, name in enumerate(LAYOUT.brokers):
+    assert len(LAYOUT.nodes) == 6  # three controllers, three brokers
+    for i, name in enumerate(LAYOUT.nodes):
         cert_pem = state.broker_cert(name).read_bytes()
         x509.load_pem_x509_certificate(cert_pem).verify_directly_issued_by(ca)
         dns, ips = _san(cert_pem)
         assert dns == [name, "localhost"] and ips == ["127.0.0.1"]
-        assert dns == LAYOUT.broker_dns_names(i)
+        assert dns == LAYOUT.dns_names(name)
         keystore = out / "kafka" / name / "broker-keystore.pem"
         text = keystore.read_text()
         assert text.count("BEGIN PRIVATE KEY") == 1 and text.count("BEGIN CERTIFICATE") == 2
@@ -87,9 +88,9 @@ def test_broker_certificates_verify_against_the_ca_with_their_names(made: tuple[
         server.load_cert_chain(keystore)  # what Kafka's PEM keystore holds: key, certificate, CA
         handshake(server, client, name)
         handshake(server, client, "localhost")
-        other = LAYOUT.brokers[(i + 1) % len(LAYOUT.brokers)]
+        other = LAYOUT.nodes[(i + 1) % len(LAYOUT.nodes)]
         with pytest.raises(ssl.SSLCertVerificationError):
-            handshake(server, client, other)  # a broker's certificate does not pass for another
+            handshake(server, client, other)  # a node's certificate does not pass for another
 
 
 def test_certificates_are_issued_again_when_names_or_the_ca_change(tmp_path: Path) -> None:
@@ -107,7 +108,7 @@ def test_certificates_are_issued_again_when_names_or_the_ca_change(tmp_path: Pat
         path.unlink()
     fresh = si.ensure_state(root, LAYOUT)  # a new CA: every broker certificate again
     assert si.cert_is_current(fresh.broker_cert("kafka-3").read_bytes(), fresh.files.ca_cert.read_bytes(),
-                              LAYOUT.broker_dns_names(2), ["127.0.0.1"])
+                              LAYOUT.dns_names("kafka-3"), ["127.0.0.1"])
 
 
 def test_every_consumer_gets_its_own_files_and_nothing_else(made: tuple[si.State, Path, list[Path]]) -> None:
@@ -148,13 +149,14 @@ def test_the_redis_acl_file(made: tuple[si.State, Path, list[Path]]) -> None:
 def test_broker_properties(made: tuple[si.State, Path, list[Path]]) -> None:
     state, out, _ = made
     admin = state.secrets.password(sec.ADMIN)
-    voters = "1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"
+    voters = "101@kafka-controller-1:9093,102@kafka-controller-2:9093,103@kafka-controller-3:9093"
     for i, name in enumerate(LAYOUT.brokers):
         props = _props((out / "kafka" / name / "server.properties").read_text())
         assert props["node.id"] == str(i + 1) and props["controller.quorum.voters"] == voters
-        assert props["process.roles"] == "broker,controller"
+        assert props["process.roles"] == "broker"
         port = 19092 + i
-        assert props["listeners"] == f"CLIENT://0.0.0.0:9092,HOST://0.0.0.0:{port},CONTROLLER://0.0.0.0:9093"
+        assert props["listeners"] == f"CLIENT://0.0.0.0:9092,HOST://0.0.0.0:{port}"
+        assert props["controller.listener.names"] == "CONTROLLER"  # how it reaches the quorum
         assert props["advertised.listeners"] == f"CLIENT://{name}:9092,HOST://localhost:{port}"
         assert props["listener.security.protocol.map"] == "CLIENT:SASL_SSL,HOST:SASL_SSL,CONTROLLER:SSL"
         assert props["listener.name.controller.ssl.client.auth"] == "required"
@@ -168,6 +170,16 @@ def test_broker_properties(made: tuple[si.State, Path, list[Path]]) -> None:
         assert props["log.dirs"] == "/var/lib/kafka/data" and props["auto.create.topics.enable"] == "false"
         assert props["default.replication.factor"] == props["offsets.topic.replication.factor"] == "3"
         assert props["min.insync.replicas"] == props["transaction.state.log.min.isr"] == "2"
+    for i, name in enumerate(LAYOUT.controllers):
+        props = _props((out / "kafka" / name / "server.properties").read_text())
+        assert props["process.roles"] == "controller" and props["node.id"] == str(101 + i)
+        assert props["controller.quorum.voters"] == voters
+        assert props["listeners"] == "CONTROLLER://0.0.0.0:9093" and "advertised.listeners" not in props
+        assert props["listener.name.controller.ssl.client.auth"] == "required"  # nodes only: mutual TLS
+        assert props["ssl.keystore.location"] == f"/run/kinfer/kafka/{name}/broker-keystore.pem"
+        assert set(props["super.users"].split(";")) == {"User:admin", sec.BROKER_PRINCIPAL}
+        assert props["allow.everyone.if.no.acl.found"] == "false"
+        assert props["broker.session.timeout.ms"] == "3000"  # the controllers fence a silent broker
     admin_props = _props((out / "kafka" / "admin.properties").read_text())
     assert admin_props["security.protocol"] == "SASL_SSL" and admin_props["sasl.mechanism"] == "SCRAM-SHA-512"
     assert admin_props["ssl.truststore.location"] == "/run/kinfer/kafka/ca.pem"
@@ -177,9 +189,25 @@ def test_broker_properties(made: tuple[si.State, Path, list[Path]]) -> None:
     assert (out / "kafka" / "cluster-id").read_text() == state.cluster_id
 
 
+def test_a_combined_layout_makes_each_broker_a_voter() -> None:
+    layout = si.Layout(controllers=())
+    assert layout.nodes == layout.brokers
+    for i in range(len(layout.brokers)):
+        props = _props(si.broker_properties(layout, i, "pw"))
+        assert props["process.roles"] == "broker,controller"
+        assert props["controller.quorum.voters"] == "1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"
+        assert props["listeners"] == f"CLIENT://0.0.0.0:9092,HOST://0.0.0.0:{19092 + i},CONTROLLER://0.0.0.0:9093"
+    args = si.build_parser().parse_args(["init", "--combined"])
+    assert si.layout_from(args).controllers == ()
+    with pytest.raises(SystemExit):  # one or the other
+        si.build_parser().parse_args(["init", "--combined", "--controller", "c-1"])
+
+
 def test_a_single_broker_layout_keeps_one_copy() -> None:
     props = _props(si.broker_properties(si.Layout(brokers=("kafka",)), 0, "pw"))
     assert props["default.replication.factor"] == "1" and props["min.insync.replicas"] == "1"
+    with pytest.raises(ValueError):
+        si.Layout(brokers=("kafka-1",), controllers=("kafka-1",))
     with pytest.raises(ValueError):
         si.Layout(brokers=("a", "a"))
     with pytest.raises(ValueError):

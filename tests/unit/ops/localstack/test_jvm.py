@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kinfer.ops.localstack import stack
-from kinfer.ops.localstack.stack import BrokerInfo, LocalStack
+from kinfer.ops.localstack.stack import KafkaNode, LocalStack, StackInfo
 
 
 def _command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -24,7 +24,9 @@ def _command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(stack, "_spawn", spawn)
     monkeypatch.setattr(stack.subprocess, "run", run)
-    LocalStack(tmp_path)._start_kafka("java", tmp_path, BrokerInfo(1, 9092, 9093), "1@127.0.0.1:9093", 1)
+    node = KafkaNode(1, 9092, 9093)
+    info = StackInfo(str(tmp_path), "127.0.0.1:9092", "redis://127.0.0.1:6379/0", brokers=[node])
+    LocalStack(tmp_path)._start_kafka("java", tmp_path, node, info)
     assert len(started) == 1
     return started[0]
 

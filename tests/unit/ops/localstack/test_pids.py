@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kinfer.ops.localstack.stack import BrokerInfo, LocalStack, StackInfo, process_alive
+from kinfer.ops.localstack.stack import KafkaNode, LocalStack, StackInfo, process_alive
 
 
 def _stand_in(*argv: str) -> subprocess.Popen[bytes]:
@@ -22,7 +22,7 @@ def test_another_stacks_broker_and_redis_under_recorded_pids_are_neither_counted
         local = LocalStack(tmp_path / "mine")
         local.home.mkdir()
         info = StackInfo(str(local.home), "127.0.0.1:2", "redis://127.0.0.1:3/0", redis_pid=redis.pid,
-                         brokers=[BrokerInfo(1, 2, 4, pid=broker.pid)])
+                         brokers=[KafkaNode(1, 2, 4, pid=broker.pid)])
         local._record(info)
         assert process_alive(broker.pid, "kafka.Kafka") and process_alive(redis.pid, "redis-server")
         status = local.status()
