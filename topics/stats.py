@@ -46,6 +46,11 @@ def size_bucket(size: int) -> int:
     return bucket
 
 
+def smallest_in_bucket(bucket: int) -> int:
+    """The fewest inputs a batch of ``size_bucket`` ``bucket`` holds (bucket 4 holds 3 and 4)."""
+    return 1 if bucket <= 1 else bucket // 2 + 1
+
+
 SizeBucket = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 
 
@@ -97,10 +102,22 @@ class ModelStats(Record, frozen=True):
 
     @property
     def capacity_rps(self) -> float:
-        """Requests (records) per second its workers could answer if always busy, at the batch
-        sizes they run: each clears ``requests_per_batch`` per ``service_ms``. 0 when unknown —
-        and for generation, whose cost per request depends on how many tokens it asks for.
-        A worker shared with other models is counted whole for each of them."""
+        """Requests (records) per second its workers could answer if always busy.
+
+        A queue fills batches, and an accelerator's batch costs little more for more inputs, so this
+        is the best rate any batch size they ran within the window gives (a size bucket's smallest
+        size over its mean compute time), and never below the rate at the mean batch (each clears
+        ``requests_per_batch`` per ``service_ms``). Under light load the mean batch is small and the
+        rate at it is the arrival rate only: read as the capacity, it turned any short queue into a
+        long predicted wait, and admission refused what the workers could have served. 0 when
+        unknown — and for generation, whose cost per request depends on how many tokens it asks
+        for. A worker shared with other models is counted whole for each of them."""
         if self.service_ms <= 0 or self.workers <= 0:
             return 0.0
-        return min(MAX_RATE_RPS, self.workers * self.requests_per_batch * 1000.0 / self.service_ms)
+        per_ms = self.requests_per_batch / self.service_ms
+        if self.mean_batch > 0:
+            per_input = self.requests_per_batch / self.mean_batch  # requests an input stands for
+            for bucket, ms in self.service_ms_by_size.items():
+                if ms > 0:
+                    per_ms = max(per_ms, smallest_in_bucket(bucket) * per_input / ms)
+        return min(MAX_RATE_RPS, self.workers * per_ms * 1000.0)
