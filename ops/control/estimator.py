@@ -6,8 +6,10 @@ Capacity is the drain rate of intervals the workers were certainly busy througho
 the start held more than they drained), smoothed faster and kept while no queue stands: a drain
 rate measured below saturation is only the arrival rate. The predicted wait of a new request is
 ``lag / capacity`` (Little's law; ``lag / drain rate`` until a busy interval has been seen).
-The level rises as soon as the *smoothed* wait crosses a threshold, and falls only once it has
-stayed below ``exit_ratio`` of that threshold for ``min_dwell_s`` — a blip changes nothing. An
+The level rises once the *smoothed* wait crosses a threshold and the queue stood over it at two polls
+in a row (one reading of a stall the next poll finds drained would hold the level up for seconds of
+hysteresis), and falls only once the smoothed wait has stayed below ``exit_ratio`` of that threshold
+for ``min_dwell_s`` — a blip changes nothing. An
 observation after a gap (polls that failed or hung: a broker paused or gone) only re-anchors: the
 queue a fault left behind is judged one poll later, by whether it stands or drains.
 """
@@ -69,6 +71,7 @@ class HealthEstimator:
         self.arrival_by_priority = [0.0, 0.0, 0.0]  # records/s written to the p0, p1, p2 topics (smoothed)
         self._ends_by_priority: tuple[int, int, int] | None = None
         self.wait_ms = 0.0  # smoothed predicted wait
+        self._instants = (0.0, 0.0)  # the unsmoothed wait at the poll before and at the last one
         self._last: tuple[float, int, int, int] | None = None  # (now, log_end_total, committed_total, lag)
         self._below_since: float | None = None
         self._primed = False
@@ -131,7 +134,9 @@ class HealthEstimator:
                 self._stalled_since = self._last[0] if self._last[3] > 0 else now
             self._now = now
             if not cold:
-                self.wait_ms += alpha * (self.instant_wait_ms() - self.wait_ms)
+                instant = self.instant_wait_ms()
+                self._instants = (self._instants[1], instant)
+                self.wait_ms += alpha * (instant - self.wait_ms)
         self._last = (now, log_end_total, committed_total, self.lag)
         self._ends_by_priority = log_end_by_priority
         self._update_level(now)
@@ -184,13 +189,19 @@ class HealthEstimator:
         come in or go out (the arrival rate is the one known from the first poll)."""
         return max(0.0, lag - max(self.drain_rps, self.arrival_rps) * self.policy.commit_interval_ms / 1000.0)
 
-    def _update_level(self, now: float) -> None:
-        target = Level.OK
+    def _level_at(self, wait_ms: float) -> Level:
         for level in (Level.REJECTING, Level.SHEDDING, Level.DEGRADED):
-            if self.wait_ms >= self.policy.threshold(level):
-                target = level
-                break
-        if target > self.level:  # rising: at once (the smoothing already filtered blips)
+            if wait_ms >= self.policy.threshold(level):
+                return level
+        return Level.OK
+
+    def _update_level(self, now: float) -> None:
+        target = self._level_at(self.wait_ms)
+        # Rising: as far as the queue stood at the last two polls too. A slow poll that read a second's
+        # stall weighs heavily in the smoothed wait (its interval is long), and the hysteresis below would
+        # hold the level it raised for seconds after the next poll found the queue gone.
+        target = min(target, self._level_at(min(self._instants)))
+        if target > self.level:
             self.level, self._below_since = target, None
             return
         if self.level == Level.OK:

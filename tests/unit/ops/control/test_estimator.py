@@ -54,6 +54,39 @@ def test_a_momentary_spike_does_not_change_the_level() -> None:
     assert h.level == Level.OK
 
 
+def test_one_slow_poll_that_read_a_stall_drained_by_the_next_raises_nothing() -> None:
+    """As a chaos soak saw it: polls every half second at ~215/s; the cluster moved 18 partitions'
+    leadership at once, the monitor's next poll came 1.86 s later and read 343 records waiting (1.6 s at
+    the drain rate), and the poll after found 62, then none. That one reading, with its long interval's
+    weight, took the smoothed wait past REJECTING, and the hysteresis held it five seconds after the
+    queue was gone: every p1 request of those seconds refused. A queue that stands does raise it."""
+    h = HealthEstimator()
+    totals = [0, 0]
+    t = 0.0
+    for _ in range(40):  # 20 s of calm
+        t += 0.5
+        totals[0] += 107
+        totals[1] += 107
+        h.observe(t, 19, totals[0], totals[1])
+    assert h.level == Level.OK
+    t += 1.86
+    totals[0] += 390
+    totals[1] += 66  # nothing fetched while leaders moved
+    levels = [h.observe(t, 343, totals[0], totals[1])]
+    for lag in (62, 0, 0, 0, 0):  # the telemetry stream's capacity is back: 600/s
+        t += 0.5
+        totals[0] += 90
+        totals[1] += 90 + 281 if lag == 62 else 90
+        levels.append(h.observe(t, lag, totals[0], totals[1], capacity_rps=600.0))
+    assert max(levels) < Level.SHEDDING, levels
+    # The same reading, and the queue still there at the next poll: the level rises.
+    for _ in range(3):
+        t += 0.5
+        totals[0] += 107
+        levels.append(h.observe(t, 400, totals[0], totals[1], capacity_rps=600.0))
+    assert h.level == Level.REJECTING
+
+
 def test_a_standing_queue_raises_the_level_and_it_falls_back_one_step_at_a_time() -> None:
     h = HealthEstimator(HealthPolicy(min_dwell_s=1.0))
     totals = [0, 0]
