@@ -341,7 +341,7 @@ CLIENT_LISTENER = "CLIENT"
 CONTROLLER_LISTENER = "CONTROLLER"
 
 
-def kafka_security_properties(files: SecureFiles, admin_password: str,
+def kafka_security_properties(files: SecureFiles, admin_password: str | None,
                               extra_listeners: Sequence[str] = ()) -> list[str]:
     """The lines a secure node's server.properties adds (listeners themselves are the caller's).
 
@@ -356,7 +356,24 @@ def kafka_security_properties(files: SecureFiles, admin_password: str,
     * StandardAuthorizer, nothing allowed without an ACL (``allow.everyone.if.no.acl.found=false``).
     * ``extra_listeners``: more listeners like CLIENT for clients only (no broker dials them, so
       their login module holds no password), e.g. compose's HOST listener for the host's clients.
+    * ``admin_password`` None: a controller of its own, which has the CONTROLLER listener alone and
+      dials no broker: no SASL lines, and no password in its file.
     """
+    tls = [
+        "ssl.keystore.type=PEM",
+        f"ssl.keystore.location={files.keystore}",
+        "ssl.truststore.type=PEM",
+        f"ssl.truststore.location={files.ca_cert}",
+        "ssl.endpoint.identification.algorithm=https",  # a node checks the SAN of the one it dials
+        f"listener.name.{CONTROLLER_LISTENER.lower()}.ssl.client.auth=required",
+    ]
+    authorizer = [
+        "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "allow.everyone.if.no.acl.found=false",
+        f"super.users=User:{ADMIN};{BROKER_PRINCIPAL}",
+    ]
+    if admin_password is None:
+        return [f"listener.security.protocol.map={CONTROLLER_LISTENER}:SSL", *tls, *authorizer]
     jaas = (f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" '
             f'password="{admin_password}";')
     extra: list[str] = []
@@ -372,17 +389,10 @@ def kafka_security_properties(files: SecureFiles, admin_password: str,
         "sasl.enabled.mechanisms=SCRAM-SHA-512",
         "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-512",
         f"listener.name.{CLIENT_LISTENER.lower()}.scram-sha-512.sasl.jaas.config={jaas}",
-        "ssl.keystore.type=PEM",
-        f"ssl.keystore.location={files.keystore}",
-        "ssl.truststore.type=PEM",
-        f"ssl.truststore.location={files.ca_cert}",
-        "ssl.endpoint.identification.algorithm=https",  # a node checks the SAN of the one it dials
-        f"listener.name.{CONTROLLER_LISTENER.lower()}.ssl.client.auth=required",
+        *tls,
         f"listener.name.{CLIENT_LISTENER.lower()}.ssl.client.auth=none",
         *extra,
-        "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-        "allow.everyone.if.no.acl.found=false",
-        f"super.users=User:{ADMIN};{BROKER_PRINCIPAL}",
+        *authorizer,
     ]
 
 

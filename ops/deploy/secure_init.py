@@ -274,7 +274,7 @@ def broker_properties(layout: Layout, index: int, admin_password: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def controller_properties(layout: Layout, index: int, admin_password: str) -> str:
+def controller_properties(layout: Layout, index: int) -> str:
     """A compose controller's whole server.properties: the metadata quorum's voter, on mutual TLS only."""
     name = layout.controllers[index]
     own = sec.SecureFiles(Path(layout.kafka_dir) / name)
@@ -285,7 +285,7 @@ def controller_properties(layout: Layout, index: int, admin_password: str) -> st
         f"controller.quorum.voters={layout.voters}",
         f"listeners={controller}://0.0.0.0:{layout.controller_port}",
         f"controller.listener.names={controller}",
-        *sec.kafka_security_properties(own, admin_password),  # the CLIENT lines are unused here
+        *sec.kafka_security_properties(own, None),  # no client listener: no SASL, no password
         f"log.dirs={layout.data_dir}",
         *sec.FAILOVER_PROPERTIES,  # the controllers fence a broker whose heartbeats stop
     ]
@@ -344,7 +344,7 @@ def write_volumes(out: Path, state: State, layout: Layout, principals: Iterable[
     w.file(kafka / "ca.pem", ca, uid["kafka"])
     w.file(kafka / "admin.properties",
            admin_client_properties(f"{layout.kafka_dir}/ca.pem", admin_password), uid["kafka"])
-    properties = [*(controller_properties(layout, i, admin_password) for i in range(len(layout.controllers))),
+    properties = [*(controller_properties(layout, i) for i in range(len(layout.controllers))),
                   *(broker_properties(layout, i, admin_password) for i in range(len(layout.brokers)))]
     for name, text in zip(layout.nodes, properties, strict=True):
         node = w.folder(kafka / name, uid["kafka"])

@@ -563,7 +563,8 @@ class LocalStack:
             *([f"advertised.listeners={client}://127.0.0.1:{node.port}"] if node.broker else []),
             f"controller.listener.names={controller}",
             *(["listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"] if secrets is None else
-              sec.kafka_security_properties(sec.SecureFiles(self.home / "secure"), secrets.password(sec.ADMIN))),
+              sec.kafka_security_properties(sec.SecureFiles(self.home / "secure"),
+                                            secrets.password(sec.ADMIN) if node.broker else None)),
         ]
         text = (
             "\n".join(

@@ -180,6 +180,9 @@ def test_broker_properties(made: tuple[si.State, Path, list[Path]]) -> None:
         assert set(props["super.users"].split(";")) == {"User:admin", sec.BROKER_PRINCIPAL}
         assert props["allow.everyone.if.no.acl.found"] == "false"
         assert props["broker.session.timeout.ms"] == "3000"  # the controllers fence a silent broker
+        assert props["listener.security.protocol.map"] == "CONTROLLER:SSL"
+        text = (out / "kafka" / name / "server.properties").read_text()
+        assert admin not in text and "sasl" not in text  # it dials no broker: no login, no password
     admin_props = _props((out / "kafka" / "admin.properties").read_text())
     assert admin_props["security.protocol"] == "SASL_SSL" and admin_props["sasl.mechanism"] == "SCRAM-SHA-512"
     assert admin_props["ssl.truststore.location"] == "/run/kinfer/kafka/ca.pem"
