@@ -102,6 +102,10 @@ class Layout:
         """``controller.quorum.voters``: the controllers, or every broker where there are none."""
         return ",".join(f"{self.node_id(n)}@{n}:{self.controller_port}" for n in self.controllers or self.brokers)
 
+    def node_files(self, node: str) -> sec.SecureFiles:
+        """A node's keystore and the CA, as its container sees them in its volume."""
+        return sec.SecureFiles(Path(self.kafka_dir) / node)
+
     def host_port_of(self, index: int) -> int:
         return self.host_port + index
 
@@ -242,7 +246,6 @@ def cert_is_current(cert_pem: bytes, ca_pem: bytes, dns_names: Sequence[str], ip
 def broker_properties(layout: Layout, index: int, admin_password: str) -> str:
     """A compose broker's whole server.properties (a controller voter too where the layout has no controllers)."""
     name = layout.brokers[index]
-    own = sec.SecureFiles(Path(layout.kafka_dir) / name)  # its keystore and the CA, in its volume
     client, controller = sec.CLIENT_LISTENER, sec.CONTROLLER_LISTENER
     host_port = layout.host_port_of(index)
     replicas = min(3, len(layout.brokers))
@@ -257,7 +260,7 @@ def broker_properties(layout: Layout, index: int, admin_password: str) -> str:
         f"advertised.listeners={client}://{name}:{layout.client_port},"
         f"{HOST_LISTENER}://{layout.host_name}:{host_port}",
         f"controller.listener.names={controller}",
-        *sec.kafka_security_properties(own, admin_password, extra_listeners=[HOST_LISTENER]),
+        *sec.kafka_security_properties(layout.node_files(name), admin_password, extra_listeners=[HOST_LISTENER]),
         f"log.dirs={layout.data_dir}",
         "num.partitions=1",
         "auto.create.topics.enable=false",  # topics are the contract: created on purpose
@@ -277,7 +280,6 @@ def broker_properties(layout: Layout, index: int, admin_password: str) -> str:
 def controller_properties(layout: Layout, index: int) -> str:
     """A compose controller's whole server.properties: the metadata quorum's voter, on mutual TLS only."""
     name = layout.controllers[index]
-    own = sec.SecureFiles(Path(layout.kafka_dir) / name)
     controller = sec.CONTROLLER_LISTENER
     lines = [
         "process.roles=controller",
@@ -285,7 +287,7 @@ def controller_properties(layout: Layout, index: int) -> str:
         f"controller.quorum.voters={layout.voters}",
         f"listeners={controller}://0.0.0.0:{layout.controller_port}",
         f"controller.listener.names={controller}",
-        *sec.kafka_security_properties(own, None),  # no client listener: no SASL, no password
+        *sec.kafka_security_properties(layout.node_files(name), None),  # no client listener: no SASL, no password
         f"log.dirs={layout.data_dir}",
         *sec.FAILOVER_PROPERTIES,  # the controllers fence a broker whose heartbeats stop
     ]

@@ -256,10 +256,6 @@ class StackInfo:
         return self.brokers[0].pid if self.brokers else 0
 
     @property
-    def kafka_pids(self) -> list[int]:
-        return [b.pid for b in self.brokers]
-
-    @property
     def nodes(self) -> list[KafkaNode]:
         """Every Kafka process: the dedicated controllers (if any), then the brokers."""
         return [*self.controllers, *self.brokers]
@@ -563,7 +559,7 @@ class LocalStack:
             *([f"advertised.listeners={client}://127.0.0.1:{node.port}"] if node.broker else []),
             f"controller.listener.names={controller}",
             *(["listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"] if secrets is None else
-              sec.kafka_security_properties(sec.SecureFiles(self.home / "secure"),
+              sec.kafka_security_properties(info.secure_files,
                                             secrets.password(sec.ADMIN) if node.broker else None)),
         ]
         text = (
