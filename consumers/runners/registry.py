@@ -79,7 +79,8 @@ def resolve_model(
     )
 
 
-# Families with an ONNX Runtime path take the ``runtime`` option (auto|torch|onnx); the others are torch only.
+# Families with an ONNX Runtime path take the ``runtime`` option (auto|torch|onnx|onnx-int8); the others are
+# torch only.
 ONNX_FAMILIES = frozenset({"embedding"})
 
 
@@ -87,8 +88,8 @@ def build_runner(spec: ModelSpec, device: str = "auto") -> Runner:
     if spec.family not in ONNX_FAMILIES and "runtime" in spec.options:
         # One ``--runtime`` for every model of a worker: "auto" and "torch" mean torch here; "onnx" cannot.
         options = dict(spec.options)
-        if options.pop("runtime") == "onnx":
-            raise ValueError(f"model {spec.name!r}: runtime 'onnx' serves the embedding family only")
+        if (runtime := str(options.pop("runtime"))).startswith("onnx"):
+            raise ValueError(f"model {spec.name!r}: runtime {runtime!r} serves the embedding family only")
         spec = ModelSpec(spec.name, spec.family, spec.path, options)
     if spec.family == "noop":  # no math on any device: ``auto`` is the CPU, and torch is never imported
         from kinfer.consumers.runners.noop import NoopRunner

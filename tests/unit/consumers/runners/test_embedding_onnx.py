@@ -150,6 +150,10 @@ def test_runtime_option() -> None:
     assert build_runner(resolve_model("noop", options={"runtime": "auto"})).family == "noop"
     with pytest.raises(ValueError, match="embedding family only"):
         build_runner(resolve_model("noop", options={"runtime": "onnx"}))
+    with pytest.raises(ValueError, match="'onnx-int8' serves the embedding family only"):
+        build_runner(resolve_model("noop", options={"runtime": "onnx-int8"}))
+    with pytest.raises(ValueError, match="CPU only"):
+        build_runner(resolve_model("minilm", options={"runtime": "onnx-int8"}), device="cuda")
 
 
 def test_a_swap_in_from_disk_reopens_the_checked_export_without_torch_weights(
@@ -164,3 +168,38 @@ def test_a_swap_in_from_disk_reopens_the_checked_export_without_torch_weights(
     exported.load()
     assert exported.runtime == "onnx" and exported.footprint_bytes() > 50 * (1 << 20)  # the weights, not the graph
     assert min(cosines(exported.run(TEXTS), reference.run(TEXTS))) >= emb.ONNX_MIN_COSINE
+
+
+def test_int8_is_made_once_from_the_export_and_stays_near_torch(
+    exported: Any, reference: Any, home: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``onnx-int8``: the export's weights quantized once beside it; its vectors within the int8 bar of
+    torch's, unit length, the graph a quarter of the float one; a second load (no check this process
+    remembers) reuses it, and a graph that misses its bar falls back to torch."""
+    (entry,) = (home / "onnx").iterdir()
+    int8 = embed("onnx-int8")
+    assert int8.runtime == "onnx-int8" and not int8.onnx_exported  # made from the export the fixture wrote
+    graph = entry / emb.ONNX_GRAPHS["onnx-int8"]
+    assert graph.is_file() and sorted(p.name for p in entry.iterdir() if p.name.startswith(".")) == []
+    near = cosines(int8.run(TEXTS), reference.run(TEXTS))
+    alone = cosines([int8.run([t])[0] for t in TEXTS], [reference.run([t])[0] for t in TEXTS])
+    assert (near >= emb.ONNX_INT8_MIN_COSINE).all() and (alone >= emb.ONNX_INT8_MIN_COSINE).all(), (near, alone)
+    assert np.allclose(np.linalg.norm(int8.run(TEXTS), axis=1), 1.0, atol=1e-5)
+    assert int8.footprint_bytes() < exported.footprint_bytes() / 3
+
+    def no_quantizing(*args: Any) -> None:
+        raise AssertionError("quantized a second time")
+
+    mtime = graph.stat().st_mtime_ns
+    monkeypatch.setattr(emb, "quantize_int8", no_quantizing)
+    monkeypatch.setattr(emb, "_CHECKED", {})
+    again = embed("onnx-int8")
+    assert again.runtime == "onnx-int8" and graph.stat().st_mtime_ns == mtime
+    assert np.allclose(again.run(TEXTS), int8.run(TEXTS), atol=1e-6)
+
+    monkeypatch.setattr(emb, "ONNX_INT8_MIN_COSINE", 1.5)
+    monkeypatch.setattr(emb, "_CHECKED", {})
+    with caplog.at_level(logging.WARNING, logger=emb.__name__):
+        refused = embed("onnx-int8")
+    assert refused.runtime == "torch"
+    assert any("onnx-int8 outputs disagree with torch" in r.getMessage() for r in caplog.records)
