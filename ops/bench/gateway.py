@@ -115,20 +115,31 @@ def bench_serve(model: str = "minilm", alone_seconds: float = 8.0, seconds_per_s
 def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float, fractions: tuple[float, ...],
                      seconds: float, partitions: int) -> tuple[float, list[dict[str, Any]]]:
     """Workers in ``layout`` (e.g. ``onnx:2x1t-b1``), a gateway, and the open-loop sweep through it."""
+    runtime, shape = layout.split(":")
+    procs, threads = int(shape.split("x")[0]), int(shape.split("x")[1].split("t")[0])
+    executors = int(shape.split("-e")[1]) if "-e" in shape else 1
+    log(f"through the gateway: {layout} ({procs} worker(s) x {executors} executor(s) x {threads} thread(s))")
+    swept = sweep_gateway(info, model, ["--threads", str(threads), "--workers-per-host", str(procs),
+                                        "--runtime", runtime, "--executors", str(executors)],
+                          procs, tuple(round(alone_best * f, 1) for f in fractions), seconds, partitions,
+                          warmup_rps=alone_best * 0.2)
+    return float(swept["max_rps_at_sla"]), swept["steps"]
+
+
+def sweep_gateway(info: StackInfo, model: str, worker_flags: list[str], workers: int, rates: tuple[float, ...],
+                  seconds: float, partitions: int, *, warmup_rps: float, warmup_s: float = 5.0) -> dict[str, Any]:
+    """``workers`` workers of ``model`` started with ``worker_flags`` (none: the defaults a user gets),
+    a gateway, and ``sweep`` through it over HTTP on 5-60-word texts after a warm-up."""
     import asyncio
 
     from kinfer.consumers.runners import resolve_model
 
-    runtime, shape = layout.split(":")
-    procs, threads = int(shape.split("x")[0]), int(shape.split("x")[1].split("t")[0])
-    executors = int(shape.split("-e")[1]) if "-e" in shape else 1
     served = f"bench-serve-{model}"
     asyncio.run(ensure_topics(info.bootstrap, [*shared_topic_specs(), *model_topic_specs(served, partitions)]))
     spec = resolve_model(model)
-    flags = ["--family", spec.family, *(["--path", spec.path] if spec.path else []), "--threads", str(threads),
-             "--workers-per-host", str(procs), "--runtime", runtime, "--executors", str(executors)]
-    workers = [spawn_worker(info, served, *flags, log_path=os.path.join(info.home, f"bench-serve-worker{i}.log"))
-               for i in range(procs)]
+    flags = ["--family", spec.family, *(["--path", spec.path] if spec.path else []), *worker_flags]
+    procs = [spawn_worker(info, served, *flags, log_path=os.path.join(info.home, f"bench-serve-worker{i}.log"))
+             for i in range(workers)]
     gateway = None
     try:
         asyncio.run(wait_served(info, served))
@@ -138,20 +149,17 @@ def _through_gateway(info: StackInfo, model: str, layout: str, alone_best: float
         wait_http(url)
         gen = LoadGen(info, "http", served, os.path.join(info.home, "bench-serve-loadgen.log"), url=url,
                       extra=["--texts", f"{TEXT_WORDS[0]},{TEXT_WORDS[1]}"])
-        log(f"through the gateway: {layout} ({procs} worker(s) x {executors} executor(s) x {threads} thread(s))")
         pids = {"client": gen.proc.pid, "gateway": gateway.pid, "broker": info.kafka_pid, "redis": info.redis_pid,
-                **{f"worker{i}": w.pid for i, w in enumerate(workers)}}
+                **{f"worker{i}": w.pid for i, w in enumerate(procs)}}
         try:
-            gen.step(alone_best * 0.2, 5.0, seed=99)  # warm-up, not counted
-            rates = tuple(round(alone_best * f, 1) for f in fractions)
-            swept = sweep(gen, pids, rates, seconds, min_ok=SLA_MIN_OK)
+            gen.step(warmup_rps, warmup_s, seed=99)  # warm-up, not counted
+            return sweep(gen, pids, rates, seconds, min_ok=SLA_MIN_OK)
         finally:
             gen.close()
     finally:
-        for proc in [gateway, *workers]:
+        for proc in [gateway, *procs]:
             if proc is not None:
                 stop_process(proc)
-    return float(swept["max_rps_at_sla"]), swept["steps"]
 
 
 # -- the picture ----------------------------------------------------------------------------------------

@@ -57,12 +57,16 @@ async def wait_served(info: StackInfo, model: str) -> None:
         await wait_until_served(client, model)
 
 
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    """Until the gateway at ``url`` answers ``/healthz`` with 200."""
+def wait_http(url: str, timeout_s: float = 60.0, path: str = "/healthz",
+              alive: Callable[[], bool] = lambda: True) -> None:
+    """Until the server at ``url`` (by default kinfer's gateway) answers ``path`` with 200; a server
+    that is no longer ``alive`` is not waited for."""
     deadline = time.monotonic() + timeout_s
     while True:
+        if not alive():
+            raise RuntimeError(f"{url} stopped before it answered {path}")
         try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
+            with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:
@@ -75,6 +79,23 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
 
 
 _TICK_S = os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s children, their children and so on (from /proc; those alive now)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += children.get(child, [])
+    return sorted(found)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -198,6 +198,31 @@ def http_request(path: str, body: dict[str, Any]) -> bytes:
     return head.encode() + payload
 
 
+# The HTTP APIs the generator speaks: kinfer's own, and two others so that the same generator, texts
+# and schedule measure another server too (``kinfer bench peers``).
+APIS = ("native", "openai", "v2")
+
+
+def api_request(api: str, model: str, text: str, deadline_ms: int) -> bytes:
+    """One embedding request for ``text``: kinfer's native API (with its deadline), OpenAI's
+    ``/embeddings``, or the Open Inference Protocol (KServe V2: MLServer, Triton) with one string
+    tensor. Only kinfer's carries a deadline; the others are judged by the same SLA from outside."""
+    if api == "native":
+        return http_request(f"/v1/models/{model}/infer", {"inputs": [text], "timeout_ms": deadline_ms})
+    if api == "openai":
+        return http_request("/embeddings", {"model": model, "input": [text]})
+    if api == "v2":
+        return http_request(f"/v2/models/{model}/infer",
+                            {"inputs": [{"name": "args", "shape": [1], "datatype": "BYTES", "data": [text]}]})
+    raise ValueError(f"unknown API {api!r} (known: {', '.join(APIS)})")
+
+
+def api_outcome(api: str, status: int, body: bytes) -> str:
+    """``ok``, or ``http_<status>``; kinfer's API answers 200 with a status of its own in the body."""
+    ok = status == 200 and (api != "native" or b'"status":"ok"' in body)
+    return "ok" if ok else f"http_{status}"
+
+
 # -- the process ----------------------------------------------------------------------------------
 
 
@@ -225,13 +250,12 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         host, port = args.url.removeprefix("http://").rsplit(":", 1)
         pool = HttpPool(host, int(port), args.connections)
-        bodies = [http_request(f"/v1/models/{args.model}/infer", {"inputs": [text], "timeout_ms": args.deadline_ms})
-                  for text in texts]
+        bodies = [api_request(args.api, args.model, text, args.deadline_ms) for text in texts]
         turn = iter(range(1 << 62))
 
         async def one_http() -> str:
             status, body = await pool.post(bodies[next(turn) % len(bodies)])
-            return "ok" if status == 200 and b'"status":"ok"' in body else f"http_{status}"
+            return api_outcome(args.api, status, body)
 
         try:
             await _commands(reader, one_http, dict)
@@ -257,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bootstrap", default="")
     p.add_argument("--redis-url", default="")
     p.add_argument("--url", default="", help="the gateway, http://host:port (--mode http)")
+    p.add_argument("--api", choices=APIS, default="native", help="the HTTP API spoken (--mode http)")
     p.add_argument("--connections", type=int, default=256, help="keep-alive connections at most (--mode http)")
     p.add_argument("--deadline-ms", type=int, default=5_000)
     p.add_argument("--texts", help="MIN,MAX: texts of that many words (default: one short sentence)")
@@ -274,11 +299,13 @@ def main(argv: list[str] | None = None) -> int:
 class LoadGen:
     """The load generator process (``python -m kinfer.ops.bench.loadgen``) and its line protocol."""
 
-    def __init__(self, info: StackInfo, mode: str, model: str, log_path: str, url: str = "",
+    def __init__(self, info: StackInfo | None, mode: str, model: str, log_path: str, url: str = "",
                  extra: list[str] | None = None) -> None:
-        env = {**os.environ, **info.env()}
-        cmd = [sys.executable, "-m", "kinfer.ops.bench.loadgen", "--mode", mode, "--model", model,
-               "--bootstrap", info.bootstrap, "--redis-url", info.redis_url, "--url", url, *(extra or [])]
+        """``info``: the stack a library client connects to (None: an HTTP server of any kind at ``url``)."""
+        env = {**os.environ, **(info.env() if info else {})}
+        stack = ["--bootstrap", info.bootstrap, "--redis-url", info.redis_url] if info else []
+        cmd = [sys.executable, "-m", "kinfer.ops.bench.loadgen", "--mode", mode, "--model", model, *stack,
+               "--url", url, *(extra or [])]
         self._log = open(log_path, "ab")  # noqa: SIM115 — closed in close()
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True)

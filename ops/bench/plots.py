@@ -26,6 +26,7 @@ from kinfer.ops.bench.gateway import plot_serve
 from kinfer.ops.bench.generation import plot_generation
 from kinfer.ops.bench.model import plot_model
 from kinfer.ops.bench.overload import plot_overload
+from kinfer.ops.bench.peers import plot_peers
 from kinfer.ops.bench.placement import plot_placement
 from kinfer.ops.bench.transport import PATHS, plot_tracing, plot_transport
 
@@ -131,6 +132,7 @@ PLOTTERS: dict[str, tuple[Callable[[Report], bool], Callable[[Report, str], str]
     "generation": (lambda r: _has(r, "continuous", "static"), plot_generation),
     "engine": (lambda r: _has(r, "encoder", "decoder", "open_loop"), plot_engine),
     "serve": (lambda r: _has(r, "through_gateway"), plot_serve),
+    "peers": (lambda r: _has(r, "systems", "ratios"), plot_peers),
     "batching": (lambda r: _has_steps(r, POLICIES), plot_batching),
     "transport": (lambda r: _has_steps(r, PATHS), plot_transport),
     "transport-tracing": (lambda r: "trace_ratio" in r, plot_tracing),

@@ -106,6 +106,34 @@ def _serve(args: argparse.Namespace) -> dict[str, Any]:
                        partitions=args.partitions)
 
 
+# ``ops.bench.peers``' PEERS, KINFER and RATES, named here so that the command line starts without importing
+# the benchmark (a test holds the two together).
+PEER_NAMES = ("infinity", "infinity-int8", "mlserver")
+KINFER_ENTRIES = ("kinfer", "kinfer-int8")
+PEER_RATES = "20,40,60,80,100,120,140,160,180,200,220,240,260,280,300,330,360,400"
+
+
+def _peers_args(bp: argparse.ArgumentParser) -> None:
+    _json_arg(bp)
+    bp.add_argument("--model", default="minilm", help="a built-in model with local weights")
+    bp.add_argument("--peer", action="append", choices=PEER_NAMES,
+                    help="a peer to run (repeatable; default: all). Installed once into the cache, from PyPI")
+    bp.add_argument("--kinfer", action="append", choices=KINFER_ENTRIES,
+                    help="kinfer's entries to run (repeatable; default: both): the default worker, --runtime onnx-int8")
+    bp.add_argument("--seconds", type=float, default=10.0, help="per rate step")
+    bp.add_argument("--rates", type=_floats, default=PEER_RATES, help="requests/s, comma-separated, each "
+                    "system swept up to the first it misses twice")
+    bp.add_argument("--partitions", type=int, default=6, help="per request topic of kinfer's model")
+
+
+def _peers(args: argparse.Namespace) -> dict[str, Any]:
+    from kinfer.ops.bench.peers import bench_peers
+
+    return bench_peers(model=args.model, peers=tuple(args.peer or PEER_NAMES),
+                       kinfer=tuple(args.kinfer or KINFER_ENTRIES), seconds=args.seconds,
+                       rates=tuple(args.rates), partitions=args.partitions)
+
+
 def _transport_args(bt: argparse.ArgumentParser) -> None:
     _json_arg(bt)
     bt.add_argument("--seconds", type=float, default=10.0, help="per rate step")
@@ -269,6 +297,8 @@ BENCHES = {bench.name: bench for bench in (
     Bench("generation", "continuous vs static batching on a mixed generation workload", _generation_args,
           _generation),
     Bench("serve", "the model alone (best layout) vs kinfer through the gateway, same machine", _serve_args, _serve),
+    Bench("peers", "kinfer's default worker against other embedding servers (Infinity, MLServer), same box",
+          _peers_args, _peers),
     Bench("transport", "the pipeline's own cost: max rate at the SLA and CPU per request per process",
           _transport_args, _transport),
     Bench("faults", "faults injected under a steady load: offered, ok, error, lost, recovery", _faults_args,
