@@ -22,7 +22,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
@@ -51,6 +51,21 @@ log = logging.getLogger(__name__)
 # A model whose swap failed (weights that do not load, a join the broker refused) is not tried again
 # before this long: the worker goes on serving the others.
 SWAP_RETRY_S = 30.0
+REPORT_S = 2.0  # how often a worker says where its weights are (well inside RESIDENCY_FRESH_MS)
+
+
+async def announce(settings: WorkerSettings) -> None:
+    """This worker's models as ``loading``, said before anything is built (torch and a model's code take
+    seconds to import): a request already waiting for them is then a cold start to the lag monitor from
+    the worker's first second, not a stall. ``Swapper.reporting`` says where they are from then on."""
+    report = WorkerResidency(settings.worker_id, now_ms(), int((settings.memory_budget or 0) * GIB),
+                             [ModelResidency(spec.name, "loading", 0, {}) for spec in settings.models])
+    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        with contextlib.suppress(RedisError, OSError):  # a Redis that is not there yet: the worker starts anyway
+            await redis.hset(RESIDENCY_KEY, settings.worker_id, report.pack())
+    finally:
+        await redis.aclose()
 
 
 class Swapper:
@@ -252,21 +267,41 @@ class Swapper:
                 self._demanded[model] = time.monotonic() + hold_s
 
     async def report_loop(self, redis: aioredis.Redis) -> None:
-        """Where this worker's weights are, every couple of seconds (``kinfer:residency``), for the lag
+        """Where this worker's weights are, every ``REPORT_S`` (``kinfer:residency``), for the lag
         monitor's cold-start estimates and ``kinfer status``."""
-        budget = int((self.settings.memory_budget or 0) * GIB)
         drained = self.signals.drained
         while not drained.is_set():
-            models = []
-            for name, feed in self.feeds.items():
-                tier = feed.tier.name.lower()
-                footprint = self.residency.footprint(name) if self.residency else feed.core.runner.footprint_bytes()
-                models.append(ModelResidency(name, feed.lifecycle.shown, footprint, dict(feed.swap_in_ms)))
-                self.observer.resident(name, tier, footprint)
-            report = WorkerResidency(self.settings.worker_id, now_ms(), budget, models)
-            with contextlib.suppress(RedisError, OSError):
-                await redis.hset(RESIDENCY_KEY, self.settings.worker_id, report.pack())
+            await self._report(redis)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(drained.wait(), 2.0)
+                await asyncio.wait_for(drained.wait(), REPORT_S)
         with contextlib.suppress(RedisError, OSError):
             await redis.hdel(RESIDENCY_KEY, self.settings.worker_id)
+
+    async def reporting(self, redis: aioredis.Redis, work: Awaitable[None]) -> None:
+        """``work`` (the placement at start) with this worker's report published meanwhile: its models
+        show ``loading`` while they load, so a request that waits for them is the lag monitor's cold
+        start, not a stall (no worker warm and nothing said, a waiting request read as a stuck worker
+        raised the level to REJECTING, and its hysteresis held it seconds after the model came)."""
+        async def publish() -> None:
+            while True:
+                await self._report(redis)
+                await asyncio.sleep(REPORT_S)
+
+        publishing = asyncio.create_task(publish())
+        try:
+            await work
+        finally:
+            publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publishing
+
+    async def _report(self, redis: aioredis.Redis) -> None:
+        models = []
+        for name, feed in self.feeds.items():
+            footprint = self.residency.footprint(name) if self.residency else feed.core.runner.footprint_bytes()
+            models.append(ModelResidency(name, feed.lifecycle.shown, footprint, dict(feed.swap_in_ms)))
+            self.observer.resident(name, feed.tier.name.lower(), footprint)
+        report = WorkerResidency(self.settings.worker_id, now_ms(), int((self.settings.memory_budget or 0) * GIB),
+                                 models)
+        with contextlib.suppress(RedisError, OSError):
+            await redis.hset(RESIDENCY_KEY, self.settings.worker_id, report.pack())

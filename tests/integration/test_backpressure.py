@@ -14,6 +14,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import REGISTRY
 
 from kinfer.consumers.runners.registry import ModelSpec
+from kinfer.consumers.swapping import announce
 from kinfer.consumers.worker import Worker, WorkerSettings
 from kinfer.ops.control.estimator import HealthPolicy
 from kinfer.ops.control.lagmon import LagMonitor
@@ -182,3 +183,45 @@ async def test_a_commit_stall_while_workers_answer_is_not_read_as_a_stopped_mode
         await asyncio.wait_for(serving, 60)
         assert not await redis.hexists(answered_key(topics), "stalled-commits")  # a stopped worker says so
         await redis.aclose()
+
+
+async def test_a_request_that_waits_while_the_first_worker_loads_is_a_cold_start_not_a_stall(
+    stack: StackInfo, topics: str
+) -> None:
+    """A worker starting (building its runners, then loading its model: no worker warm yet) and a request
+    already waiting: the worker says from its first second that its models are loading, so the monitor
+    reads the wait as the cold start's and the level stays where it was. Read as a stall, it rose to
+    REJECTING and stayed there seconds after the worker came."""
+    settings = WorkerSettings(models=(ModelSpec(topics, "noop", options={"load_ms": 4_000.0}),),
+                              bootstrap=stack.bootstrap, redis_url=stack.redis_url, worker_id="slow-start")
+    monitor = LagMonitor(stack.bootstrap, stack.redis_url, models=[topics])
+    redis = aioredis.Redis.from_url(stack.redis_url)
+    await announce(settings)  # as `kinfer worker` does first
+    serving = None
+    try:
+        async with Client(stack.bootstrap, stack.redis_url, admission=False) as client, \
+                offset_clients(stack.bootstrap) as (admin, consumer):
+            waiting = asyncio.create_task(client.infer(topics, ["early"], deadline_ms=30_000))
+            seen = []
+            for _ in range(8):  # the worker process still building its runners (real ones: seconds of imports)
+                await asyncio.sleep(0.2)
+                state = (await monitor.poll(admin, consumer, redis))[0]
+                seen.append((state.level, state.lag, state.warm_replicas, state.cold_start_ms > 0))
+            worker = Worker(settings)
+            serving = asyncio.create_task(worker.run())
+            while not waiting.done():
+                await asyncio.sleep(0.2)
+                state = (await monitor.poll(admin, consumer, redis))[0]
+                seen.append((state.level, state.lag, state.warm_replicas, state.cold_start_ms > 0))
+            assert (await waiting).ok
+            for _ in range(5):  # and after it was answered
+                await asyncio.sleep(0.2)
+                state = (await monitor.poll(admin, consumer, redis))[0]
+                seen.append((state.level, state.lag, state.warm_replicas, state.cold_start_ms > 0))
+    finally:
+        if serving is not None:
+            worker.stop()
+            await asyncio.wait_for(serving, 60)
+        await redis.aclose()
+    assert sum(1 for level, lag, warm, _ in seen if lag >= 1 and warm <= 0) >= 12, seen  # it waited on the load
+    assert max(level for level, *_ in seen) < Level.SHEDDING, seen
