@@ -35,6 +35,7 @@ from kinfer.batcher.residency import Demand, Move, Residency, ResidencyPolicy, T
 from kinfer.consumers.feed import Feed, FeedState, Signals
 from kinfer.consumers.membership import Membership
 from kinfer.consumers.observer import Observer
+from kinfer.consumers.replies import reply_redis
 from kinfer.consumers.runners.base import bring_in
 from kinfer.consumers.runners.registry import GIB, estimate_footprint
 from kinfer.consumers.settings import WorkerSettings
@@ -60,9 +61,9 @@ async def announce(settings: WorkerSettings) -> None:
     the worker's first second, not a stall. ``Swapper.reporting`` says where they are from then on."""
     report = WorkerResidency(settings.worker_id, now_ms(), int((settings.memory_budget or 0) * GIB),
                              [ModelResidency(spec.name, "loading", 0, {}) for spec in settings.models])
-    redis = aioredis.Redis.from_url(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    redis = reply_redis(settings.redis_url)  # short timeouts: a Redis that is not there yet delays nothing
     try:
-        with contextlib.suppress(RedisError, OSError):  # a Redis that is not there yet: the worker starts anyway
+        with contextlib.suppress(RedisError, OSError):
             await redis.hset(RESIDENCY_KEY, settings.worker_id, report.pack())
     finally:
         await redis.aclose()
@@ -277,23 +278,29 @@ class Swapper:
         with contextlib.suppress(RedisError, OSError):
             await redis.hdel(RESIDENCY_KEY, self.settings.worker_id)
 
-    async def reporting(self, redis: aioredis.Redis, work: Awaitable[None]) -> None:
+    async def reporting(self, redis_url: str, work: Awaitable[None]) -> None:
         """``work`` (the placement at start) with this worker's report published meanwhile: its models
         show ``loading`` while they load, so a request that waits for them is the lag monitor's cold
         start, not a stall (no worker warm and nothing said, a waiting request read as a stuck worker
-        raised the level to REJECTING, and its hysteresis held it seconds after the model came)."""
-        async def publish() -> None:
-            while True:
-                await self._report(redis)
-                await asyncio.sleep(REPORT_S)
+        raised the level to REJECTING, and its hysteresis held it seconds after the model came).
 
-        publishing = asyncio.create_task(publish())
+        Reports go out between waits on ``work``, on a client of their own with short timeouts (as
+        ``announce``'s): a Redis that does not answer delays nothing, and no Redis call is cancelled
+        halfway (with a publishing task cancelled when the placement ended, one start in four of two
+        workers side by side hung before joining its group)."""
+        redis = reply_redis(redis_url)
+        placing = asyncio.ensure_future(work)
         try:
-            await work
+            while not placing.done():
+                await self._report(redis)
+                await asyncio.wait({placing}, timeout=REPORT_S)
+            await placing  # its outcome: an exception is raised here
         finally:
-            publishing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publishing
+            if not placing.done():  # this worker is stopped while it loads
+                placing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await placing
+            await redis.aclose()
 
     async def _report(self, redis: aioredis.Redis) -> None:
         models = []

@@ -141,12 +141,7 @@ class Worker:
         threads = set_threads(s.threads, s.workers_per_host)
         if threads is not None:
             log.info("torch uses %d intra-op thread(s) a call, %d call(s) at once", threads, self.executors)
-        redis = aioredis.Redis.from_url(s.redis_url)
-        try:
-            await self._swapper.reporting(redis, self._swapper.place())
-        except BaseException:
-            await redis.aclose()
-            raise
+        await self._swapper.reporting(s.redis_url, self._swapper.place())
         if s.metrics_port is not None:
             start_http_server(s.metrics_port, addr=s.metrics_host)
         # Everything loaded so far (torch, the model, the tokenizer: ~200k objects) lives as long as
@@ -156,6 +151,7 @@ class Worker:
         gc.freeze()
 
         producer = AIOKafkaProducer(**kafka_options(s.bootstrap), acks="all", enable_idempotence=True, linger_ms=1)
+        redis = aioredis.Redis.from_url(s.redis_url)
         replies_redis = reply_redis(s.redis_url)  # short timeouts: a stalled Redis sends replies to their fallback
         drained = self._signals.drained
         try:
