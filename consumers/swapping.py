@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
@@ -52,21 +53,45 @@ log = logging.getLogger(__name__)
 # A model whose swap failed (weights that do not load, a join the broker refused) is not tried again
 # before this long: the worker goes on serving the others.
 SWAP_RETRY_S = 30.0
+T = TypeVar("T")
 REPORT_S = 2.0  # how often a worker says where its weights are (well inside RESIDENCY_FRESH_MS)
 
 
-async def announce(settings: WorkerSettings) -> None:
-    """This worker's models as ``loading``, said before anything is built (torch and a model's code take
-    seconds to import): a request already waiting for them is then a cold start to the lag monitor from
-    the worker's first second, not a stall. ``Swapper.reporting`` says where they are from then on."""
-    report = WorkerResidency(settings.worker_id, now_ms(), int((settings.memory_budget or 0) * GIB),
-                             [ModelResidency(spec.name, "loading", 0, {}) for spec in settings.models])
-    redis = reply_redis(settings.redis_url)  # short timeouts: a Redis that is not there yet delays nothing
+async def reporting(redis_url: str, work: Awaitable[T], report: Callable[[aioredis.Redis], Awaitable[None]]) -> T:
+    """``work``'s result, with ``report`` published every ``REPORT_S`` until it is done.
+
+    Reports go out between waits on ``work``, on a client of their own with short timeouts: a Redis
+    that does not answer delays nothing, and no Redis call is cancelled halfway (with a publishing task
+    cancelled when the work ended, one start in four of two workers side by side hung before joining its
+    group). Stopped meanwhile, ``work`` is cancelled too."""
+    redis = reply_redis(redis_url)
+    working = asyncio.ensure_future(work)
     try:
-        with contextlib.suppress(RedisError, OSError):
-            await redis.hset(RESIDENCY_KEY, settings.worker_id, report.pack())
+        await asyncio.sleep(0)  # ``work`` starts first: the first report says what it began (a load)
+        while not working.done():
+            with contextlib.suppress(RedisError, OSError):
+                await report(redis)
+            await asyncio.wait({working}, timeout=REPORT_S)
+        return await working  # its outcome: an exception is raised here
     finally:
+        if not working.done():
+            working.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await working
         await redis.aclose()
+
+
+async def announcing(settings: WorkerSettings, building: Awaitable[T]) -> T:
+    """``building``'s result (the worker's runners: torch and a model's code take seconds to import),
+    with this worker's models reported ``loading`` meanwhile: a request already waiting for them is a
+    cold start to the lag monitor from the worker's first second, not a stall that raises the level.
+    ``Swapper.place_reporting`` says where they are from then on."""
+    async def loading(redis: aioredis.Redis) -> None:
+        report = WorkerResidency(settings.worker_id, now_ms(), int((settings.memory_budget or 0) * GIB),
+                                 [ModelResidency(spec.name, "loading", 0, {}) for spec in settings.models])
+        await redis.hset(RESIDENCY_KEY, settings.worker_id, report.pack())
+
+    return await reporting(settings.redis_url, building, loading)
 
 
 class Swapper:
@@ -272,35 +297,19 @@ class Swapper:
         monitor's cold-start estimates and ``kinfer status``."""
         drained = self.signals.drained
         while not drained.is_set():
-            await self._report(redis)
+            with contextlib.suppress(RedisError, OSError):
+                await self._report(redis)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(drained.wait(), REPORT_S)
         with contextlib.suppress(RedisError, OSError):
             await redis.hdel(RESIDENCY_KEY, self.settings.worker_id)
 
-    async def reporting(self, redis_url: str, work: Awaitable[None]) -> None:
-        """``work`` (the placement at start) with this worker's report published meanwhile: its models
-        show ``loading`` while they load, so a request that waits for them is the lag monitor's cold
-        start, not a stall (no worker warm and nothing said, a waiting request read as a stuck worker
-        raised the level to REJECTING, and its hysteresis held it seconds after the model came).
-
-        Reports go out between waits on ``work``, on a client of their own with short timeouts (as
-        ``announce``'s): a Redis that does not answer delays nothing, and no Redis call is cancelled
-        halfway (with a publishing task cancelled when the placement ended, one start in four of two
-        workers side by side hung before joining its group)."""
-        redis = reply_redis(redis_url)
-        placing = asyncio.ensure_future(work)
-        try:
-            while not placing.done():
-                await self._report(redis)
-                await asyncio.wait({placing}, timeout=REPORT_S)
-            await placing  # its outcome: an exception is raised here
-        finally:
-            if not placing.done():  # this worker is stopped while it loads
-                placing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await placing
-            await redis.aclose()
+    async def place_reporting(self) -> None:
+        """``place`` with this worker's report published meanwhile: its models show ``loading`` while
+        they load, so a request that waits for them is the lag monitor's cold start, not a stall (no
+        worker warm and nothing said, a waiting request read as a stuck worker raised the level to
+        REJECTING, and its hysteresis held it seconds after the model came)."""
+        await reporting(self.settings.redis_url, self.place(), self._report)
 
     async def _report(self, redis: aioredis.Redis) -> None:
         models = []
@@ -310,5 +319,4 @@ class Swapper:
             self.observer.resident(name, feed.tier.name.lower(), footprint)
         report = WorkerResidency(self.settings.worker_id, now_ms(), int((self.settings.memory_budget or 0) * GIB),
                                  models)
-        with contextlib.suppress(RedisError, OSError):
-            await redis.hset(RESIDENCY_KEY, self.settings.worker_id, report.pack())
+        await redis.hset(RESIDENCY_KEY, self.settings.worker_id, report.pack())

@@ -141,7 +141,7 @@ class Worker:
         threads = set_threads(s.threads, s.workers_per_host)
         if threads is not None:
             log.info("torch uses %d intra-op thread(s) a call, %d call(s) at once", threads, self.executors)
-        await self._swapper.reporting(s.redis_url, self._swapper.place())
+        await self._swapper.place_reporting()
         if s.metrics_port is not None:
             start_http_server(s.metrics_port, addr=s.metrics_host)
         # Everything loaded so far (torch, the model, the tokenizer: ~200k objects) lives as long as

@@ -97,7 +97,7 @@ def _options(pairs: list[str]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kinfer.consumers.runners import resolve_model
-    from kinfer.consumers.swapping import announce
+    from kinfer.consumers.swapping import announcing
     from kinfer.consumers.worker import Worker
     from kinfer.topics.admin import ensure_topics, missing_topics, model_topic_specs, shared_topic_specs
     from kinfer.topics.names import parse_request_topic, request_topics
@@ -136,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
             if later:
                 log.warning("no background topics %s: create them with `kinfer topics %s`, then restart the worker; "
                             "it serves p0-p2 meanwhile", ", ".join(later), names)
-        await announce(settings)
-        worker = Worker(settings)  # builds the models' runners: seconds of imports
+        # The models' runners are built aside (seconds of imports) while the worker says they are loading.
+        worker = await announcing(settings, asyncio.to_thread(Worker, settings))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)

@@ -120,8 +120,10 @@ class LagMonitor:
         when records wait), and either one is loading it or its records have waited less than twice the
         cold start (at least ``COLD_GRACE_S``). Its queue not moving is then the cold start, told as
         such, not a stuck worker. Past that nobody is coming (the model is larger than any budget, its
-        swaps fail, or it starves): the stall counts again, and the level refuses explicitly."""
-        if warm != 0 or cold_start_ms is None:
+        swaps fail, or it starves): the stall counts again, and the level refuses explicitly. A group
+        that cannot be read (``warm`` -1: a fresh cluster has no group coordinator for its first
+        seconds) is cold only while a worker says it is loading the model."""
+        if warm > 0 or cold_start_ms is None or (warm < 0 and not loading):
             self._cold_since.pop(model, None)
             return False
         if lag == 0:

@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client import REGISTRY
 
 from kinfer.consumers.runners.registry import ModelSpec
-from kinfer.consumers.swapping import announce
+from kinfer.consumers.swapping import announcing
 from kinfer.consumers.worker import Worker, WorkerSettings
 from kinfer.ops.control.estimator import HealthPolicy
 from kinfer.ops.control.lagmon import LagMonitor
@@ -27,6 +27,7 @@ from kinfer.topics.admin import offset_clients
 from kinfer.topics.health import Level
 from kinfer.topics.names import request_topic
 from kinfer.topics.progress import answered_key
+from kinfer.topics.residency import RESIDENCY_FRESH_MS
 from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -188,26 +189,31 @@ async def test_a_commit_stall_while_workers_answer_is_not_read_as_a_stopped_mode
 async def test_a_request_that_waits_while_the_first_worker_loads_is_a_cold_start_not_a_stall(
     stack: StackInfo, topics: str
 ) -> None:
-    """A worker starting (building its runners, then loading its model: no worker warm yet) and a request
-    already waiting: the worker says from its first second that its models are loading, so the monitor
-    reads the wait as the cold start's and the level stays where it was. Read as a stall, it rose to
-    REJECTING and stayed there seconds after the worker came."""
+    """A worker starting (building its runners for longer than a report stays fresh, then loading its
+    model: no worker warm yet) and a request already waiting: the worker says throughout that its models
+    are loading, so the monitor reads the wait as the cold start's and the level stays where it was.
+    Read as a stall, it rose to REJECTING and stayed there seconds after the worker came."""
     settings = WorkerSettings(models=(ModelSpec(topics, "noop", options={"load_ms": 4_000.0}),),
                               bootstrap=stack.bootstrap, redis_url=stack.redis_url, worker_id="slow-start")
     monitor = LagMonitor(stack.bootstrap, stack.redis_url, models=[topics])
     redis = aioredis.Redis.from_url(stack.redis_url)
-    await announce(settings)  # as `kinfer worker` does first
     serving = None
+
+    async def build() -> Worker:  # as `kinfer worker` builds its runners: here longer than a report stays fresh
+        await asyncio.sleep(RESIDENCY_FRESH_MS / 1000.0 + 2.0)
+        return Worker(settings)
+
     try:
         async with Client(stack.bootstrap, stack.redis_url, admission=False) as client, \
                 offset_clients(stack.bootstrap) as (admin, consumer):
-            waiting = asyncio.create_task(client.infer(topics, ["early"], deadline_ms=30_000))
+            building = asyncio.create_task(announcing(settings, build()))
+            waiting = asyncio.create_task(client.infer(topics, ["early"], deadline_ms=60_000))
             seen = []
-            for _ in range(8):  # the worker process still building its runners (real ones: seconds of imports)
+            while not building.done():
                 await asyncio.sleep(0.2)
                 state = (await monitor.poll(admin, consumer, redis))[0]
                 seen.append((state.level, state.lag, state.warm_replicas, state.cold_start_ms > 0))
-            worker = Worker(settings)
+            worker = await building
             serving = asyncio.create_task(worker.run())
             while not waiting.done():
                 await asyncio.sleep(0.2)
@@ -223,5 +229,5 @@ async def test_a_request_that_waits_while_the_first_worker_loads_is_a_cold_start
             worker.stop()
             await asyncio.wait_for(serving, 60)
         await redis.aclose()
-    assert sum(1 for level, lag, warm, _ in seen if lag >= 1 and warm <= 0) >= 12, seen  # it waited on the load
-    assert max(level for level, *_ in seen) < Level.SHEDDING, seen
+    assert sum(1 for level, lag, warm, _ in seen if lag >= 1 and warm <= 0) >= 30, seen  # it waited on the start
+    assert max(level for level, *_ in seen) < Level.SHEDDING, [(i, x) for i, x in enumerate(seen) if x[0]][:6]

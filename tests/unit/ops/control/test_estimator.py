@@ -234,6 +234,9 @@ def test_a_cold_model_that_nobody_brings_back_is_a_stall_again() -> None:
     assert not m._cold("a", warm=0, lag=5, cold_start_ms=None, loading=False)  # nobody has it registered
     assert m._cold("a", warm=0, lag=0, cold_start_ms=800.0, loading=False)  # registered, nothing waits
     assert m._cold("a", warm=0, lag=5, cold_start_ms=800.0, loading=False)  # records start waiting
+    # The group cannot be read (a fresh cluster's first seconds): cold only while a worker is loading it.
+    assert m._cold("a", warm=-1, lag=5, cold_start_ms=0.0, loading=True)
+    assert not m._cold("a", warm=-1, lag=5, cold_start_ms=800.0, loading=False)
     m._cold_since["a"] = time.monotonic() - COLD_GRACE_S - 1  # ...and nobody came for them
     assert not m._cold("a", warm=0, lag=5, cold_start_ms=800.0, loading=False)
     assert m._cold("a", warm=0, lag=5, cold_start_ms=800.0, loading=True)  # unless a worker is loading it
