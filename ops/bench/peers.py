@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from kinfer.ops.bench.gateway import TEXT_WORDS, sweep_gateway
 from kinfer.ops.bench.harness import descendants, local_stack, log, wait_http
 from kinfer.ops.bench.loadgen import LoadGen, sweep
 from kinfer.ops.capacity.sla import SLA_MIN_OK, SLA_P95_MS, SLA_P99_MS
+from kinfer.ops.localstack.procs import stop_process
 from kinfer.ops.localstack.stack import free_port
 from kinfer.topics.paths import cache_dir
 
@@ -82,17 +82,13 @@ def _with_onnx_int8(venv: Path, model_dir: Path) -> Path:
     from kinfer.consumers.runners.embedding import quantize_int8
 
     fp32 = _with_onnx(venv, model_dir)
-    target = fp32.with_name(fp32.name + "-int8")
-    if (target / "onnx" / "model.onnx").exists():
-        return target
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(fp32, staging, copy_function=_link_or_copy, ignore=shutil.ignore_patterns("*.onnx"))
-    quantize_int8(fp32 / "onnx" / "model.onnx", staging / "onnx" / "model.onnx")
-    os.link(staging / "onnx" / "model.onnx", staging / "model.onnx")
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
-    return target
+
+    def fill(staging: Path) -> None:
+        shutil.copytree(fp32, staging, copy_function=_link_or_copy, ignore=shutil.ignore_patterns("*.onnx"))
+        quantize_int8(fp32 / "onnx" / "model.onnx", staging / "onnx" / "model.onnx")
+        os.link(staging / "onnx" / "model.onnx", staging / "model.onnx")
+
+    return _staged(fp32.with_name(fp32.name + "-int8"), fill)
 
 
 def _with_onnx(venv: Path, model_dir: Path) -> Path:
@@ -100,19 +96,26 @@ def _with_onnx(venv: Path, model_dir: Path) -> Path:
     (hard links) of the weights and an export optimum makes of them, once. The export is at the top
     and again in ``onnx/`` (the same file): optimum 1.27 refuses the path Infinity names it by when it
     finds one ONNX file only."""
-    target = cache_dir() / "peers" / "models" / f"{model_dir.parent.name}.{model_dir.name}-onnx"
+    def fill(staging: Path) -> None:
+        shutil.copytree(model_dir, staging, copy_function=_link_or_copy)
+        export = staging / "export"
+        subprocess.run([str(venv / "bin" / "optimum-cli"), "export", "onnx", "--model", str(staging), "--task",
+                        "feature-extraction", str(export)], check=True, env=_offline(), stdout=subprocess.DEVNULL)
+        (staging / "onnx").mkdir()
+        os.replace(export / "model.onnx", staging / "onnx" / "model.onnx")
+        os.link(staging / "onnx" / "model.onnx", staging / "model.onnx")
+        shutil.rmtree(export)
+
+    return _staged(cache_dir() / "peers" / "models" / f"{model_dir.parent.name}.{model_dir.name}-onnx", fill)
+
+
+def _staged(target: Path, fill: Callable[[Path], None]) -> Path:
+    """``target``, made once by ``fill`` in a folder beside it and renamed into place when whole."""
     if (target / "onnx" / "model.onnx").exists():
         return target
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(model_dir, staging, copy_function=_link_or_copy)
-    export = staging / "export"
-    subprocess.run([str(venv / "bin" / "optimum-cli"), "export", "onnx", "--model", str(staging), "--task",
-                    "feature-extraction", str(export)], check=True, env=_offline(), stdout=subprocess.DEVNULL)
-    (staging / "onnx").mkdir()
-    os.replace(export / "model.onnx", staging / "onnx" / "model.onnx")
-    os.link(staging / "onnx" / "model.onnx", staging / "model.onnx")
-    shutil.rmtree(export)
+    fill(staging)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
     return target
@@ -207,22 +210,7 @@ def running(peer: Peer, venv: Path, model_dir: Path, model: str, log_path: Path)
             wait_http(url, timeout_s=300.0, path=peer.ready_path.format(model=model), alive=lambda: proc.poll() is None)
             yield url, [proc.pid, *descendants(proc.pid)]
         finally:
-            _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    """SIGTERM to the group ``proc`` leads (it was started in a session of its own), SIGKILL after
-    ``timeout_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            stop_process(proc, group=True)
 
 
 def sweep_peer(peer: Peer, venv: Path, model_dir: Path, model: str, rates: tuple[float, ...], seconds: float,

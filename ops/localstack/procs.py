@@ -4,6 +4,7 @@ local Prometheus tools are."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -46,13 +47,19 @@ def scrape(port: int) -> dict[str, float]:
     return totals
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0, *, group: bool = False) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; ``group``: to the process group ``proc`` leads (it was
+    started in a session of its own), so the children it forked stop with it."""
+    def send(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        send(signal.SIGTERM)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            send(signal.SIGKILL)
             proc.wait()
 
 

@@ -17,6 +17,7 @@ from kinfer.ops.bench import peers
 from kinfer.ops.bench.harness import descendants
 from kinfer.ops.bench.loadgen import APIS, HttpPool, api_outcome, api_request
 from kinfer.ops.cli.bench import KINFER_ENTRIES, PEER_NAMES, PEER_RATES
+from kinfer.ops.localstack.procs import stop_process
 
 
 def _parse(request: bytes) -> tuple[str, str, dict[str, Any]]:
@@ -153,7 +154,7 @@ def test_a_peers_processes_are_found_and_stopped_together() -> None:
         while not (children := descendants(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(children) == 1
-        peers._stop_group(proc, timeout_s=5)
+        stop_process(proc, timeout_s=5, group=True)
         assert proc.poll() is not None
         deadline = time.monotonic() + 10
         while Path(f"/proc/{children[0]}").exists() and _state(children[0]) != "Z" and time.monotonic() < deadline:
