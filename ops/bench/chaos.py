@@ -351,11 +351,15 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         f["bound"] = fault_bound(f["kind"], config.rate)
         f["within_bound"] = f["failed"] <= f["bound"]
     between, outside = availability_outside(((c.sent, c.kind == "ok") for c in calls), faults)
+    windows = fault_windows(faults)
+    failed_outside = Counter(f"{c.kind}:{c.why}" if c.why else c.kind for c in calls
+                             if c.kind != "ok" and not in_window(c.sent, windows))
     return {
         "kind": "chaos",
         "availability": round(counts["ok"] / offered, 6) if offered else None,
         "availability_outside_faults": round(between, 6) if between is not None else None,
         "offered_outside_faults": outside,
+        "failed_outside_faults": dict(failed_outside.most_common()),
         "projection": projection(faults, between, config.rate),
         "offered": offered,
         **counts,
@@ -396,13 +400,22 @@ def fault_bound(kind: str, rate: float) -> int:
     return math.floor(FAULT_BOUNDS[kind] * rate / BOUND_RATE)
 
 
+def fault_windows(faults: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Each fault's window, in seconds into the soak: from the fault to ``WINDOW_AFTER_S`` after its recovery."""
+    return [(f["at_s"], f["at_s"] + f["recovery_s"] + WINDOW_AFTER_S) for f in faults]
+
+
+def in_window(sent: float, windows: list[tuple[float, float]]) -> bool:
+    return any(a <= sent < b for a, b in windows)
+
+
 def availability_outside(calls: Iterable[tuple[float, bool]], faults: list[dict[str, Any]]) -> tuple[float | None, int]:
     """Of the requests (seconds into the soak when sent, answered ok) sent outside every fault's window
     (from the fault to ``WINDOW_AFTER_S`` after its recovery): the fraction answered ok, and how many."""
-    windows = [(f["at_s"], f["at_s"] + f["recovery_s"] + WINDOW_AFTER_S) for f in faults]
+    windows = fault_windows(faults)
     ok = offered = 0
     for sent, answered in calls:
-        if not any(a <= sent < b for a, b in windows):
+        if not in_window(sent, windows):
             offered += 1
             ok += answered
     return (ok / offered if offered else None), offered
