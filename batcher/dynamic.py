@@ -36,8 +36,13 @@ worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and the
 * ``expired``: the deadline has passed.
 * ``deadline``: it cannot finish in time even if it ran alone as soon as the executor is free
   (``free_at`` + its predicted service time): refused now, not computed late.
-* ``codel``: a standing queue persists (CoDel on sojourn time since the request entered Kafka);
-  the oldest request of the lowest priority at or above ``codel_min_priority`` goes first.
+* ``codel``: a standing queue persists (CoDel on the sojourn time in this queue, since the request
+  was added); the oldest request of the lowest priority at or above ``codel_min_priority`` goes
+  first. Time spent before, in Kafka or on the way, is not this queue's: a worker whose records
+  arrive late, because a broker or the box is slow or its clock is not the producer's, has no
+  standing queue to shed, and dropping its requests would not make the rest faster. A worker that
+  cannot keep up does have one: what it cannot serve waits here (up to its buffer) before it waits
+  in Kafka, and a request that can no longer make its deadline is refused by ``deadline`` anyway.
 
 Service times come from an online ``ServiceTimeModel`` fed by ``observe``.
 
@@ -152,8 +157,7 @@ class Pending(Generic[T]):
 
     payload: T  # opaque to the batcher
     priority: int  # 0 first
-    arrival: float  # when it was added
-    enqueued: float  # when it entered the system (the Kafka record timestamp), for sojourn
+    arrival: float  # when it was added: its sojourn in this queue runs from here
     deadline: float  # when its result stops being useful
     size: int  # inputs it contributes to the batch
     longest: int  # tokens in its longest input (drives padding)
@@ -203,11 +207,11 @@ class DynamicBatcher(Generic[T]):
         self.policy = policy
         self.service = service or ServiceTimeModel()
         self._items: dict[int, Pending[T]] = {}  # by seq; dicts keep arrival order
-        # Heaps of (deadline, seq) and (enqueued, seq) over the queue, pruned lazily: the decisions
+        # Heaps of (deadline, seq) and (arrival, seq) over the queue, pruned lazily: the decisions
         # made on every event (shed, wake_at, CoDel's sojourn) look at the few requests near the
         # front, not at the whole queue — a backlog must not make each event slower.
         self._deadlines: list[tuple[float, int]] = []
-        self._enqueued: list[tuple[float, int]] = []
+        self._arrivals: list[tuple[float, int]] = []
         # The largest request (padded tokens, inputs) queued since the queue was last empty: with
         # it, no queued request can cost more alone than ``_alone_bound()``.
         self._largest = (1, 1)
@@ -240,17 +244,15 @@ class DynamicBatcher(Generic[T]):
 
     def add(
         self, payload: T, *, priority: int, size: int, longest: int, deadline: float, now: float,
-        enqueued: float | None = None,
     ) -> Pending[T]:
         if not 0 <= priority < self.policy.levels:
             raise ValueError(f"priority must be within [0, {self.policy.levels}), got {priority}")
         if size < 1 or longest < 1:
             raise ValueError(f"size and longest must be >= 1, got {size} and {longest}")
-        p = Pending(payload, priority, now, min(now, enqueued if enqueued is not None else now), deadline, size,
-                    longest, next(self._seq))
+        p = Pending(payload, priority, now, deadline, size, longest, next(self._seq))
         self._items[p.seq] = p
         heapq.heappush(self._deadlines, (p.deadline, p.seq))
-        heapq.heappush(self._enqueued, (p.enqueued, p.seq))
+        heapq.heappush(self._arrivals, (p.arrival, p.seq))
         self._largest = (max(self._largest[0], size * longest), max(self._largest[1], size))
         self._account(p, +1)
         return p
@@ -399,12 +401,11 @@ class DynamicBatcher(Generic[T]):
         return riding * grows_by <= (behind + 1) * (alone - grows_by)
 
     def _oldest_arrival(self) -> float:
-        return min(p.arrival for p in self._items.values())
+        return self._live_root(self._arrivals)[0]
 
     def _standing(self, now: float) -> float:
-        if not self._items:
-            return 0.0
-        return now - self._live_root(self._enqueued)[0]
+        """The sojourn of the oldest request still queued (0 when the queue is empty)."""
+        return now - self._oldest_arrival() if self._items else 0.0
 
     def _live_root(self, heap: list[tuple[float, int]]) -> tuple[float, int]:
         """The smallest entry of ``heap`` that is still queued (the queue is not empty)."""
@@ -439,13 +440,13 @@ class DynamicBatcher(Generic[T]):
         self._account(p, -1)
         if not self._items:
             self._deadlines.clear()
-            self._enqueued.clear()
+            self._arrivals.clear()
             self._largest = (1, 1)
         elif len(self._deadlines) > 4 * len(self._items) + 64:  # mostly entries of requests gone
             self._deadlines = [(q.deadline, q.seq) for q in self._items.values()]
-            self._enqueued = [(q.enqueued, q.seq) for q in self._items.values()]
+            self._arrivals = [(q.arrival, q.seq) for q in self._items.values()]
             heapq.heapify(self._deadlines)
-            heapq.heapify(self._enqueued)
+            heapq.heapify(self._arrivals)
 
     def _account(self, p: Pending[T], sign: int) -> None:
         self._inputs += sign * p.size

@@ -3,6 +3,14 @@
 Fitted by exponentially weighted recursive least squares, so it follows a device that warms up,
 throttles or gets a co-located neighbour. Starts from a prior (a few ms plus a per-token cost) so
 its first predictions are sane, and never predicts less than the smallest time it has seen.
+
+Once it has seen ``settled`` batches, one observation counts for at most ``outlier`` times what it
+predicted there. A batch that was in flight while its process stood still (SIGSTOP, a VM's steal, a
+swap storm) measures the stall, not the model: fed whole, one 10 s batch among 25 ms ones tilts the
+three-term fit until a single request predicts over half a second, every request with less time left
+is refused as unable to make it, so no batch runs and nothing corrects the fit. Capped, the stall
+moves the prediction by a few per cent; a device that really became slower is still followed, its
+prediction rising by up to ``outlier`` times at each batch's weight.
 """
 
 from __future__ import annotations
@@ -20,11 +28,16 @@ class ServicePrior:
 
 
 class ServiceTimeModel:
-    def __init__(self, prior: ServicePrior | None = None, forgetting: float = 0.98, recent: int = 64) -> None:
+    def __init__(self, prior: ServicePrior | None = None, forgetting: float = 0.98, recent: int = 64,
+                 outlier: float = 4.0, settled: int = 16) -> None:
         if not 0.5 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be within (0.5, 1], got {forgetting}")
+        if outlier <= 1.0 or settled < 0:
+            raise ValueError(f"outlier must be > 1 and settled >= 0, got {outlier} and {settled}")
         p = prior or ServicePrior()
         self.forgetting = forgetting
+        self.outlier = outlier
+        self.settled = settled
         self.observations = 0
         self._recent_inputs: deque[int] = deque(maxlen=recent)  # batch sizes of the latest observations
         self._floor = 0.0
@@ -40,6 +53,9 @@ class ServiceTimeModel:
     def observe(self, padded_tokens: int, inputs: int, seconds: float) -> None:
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
+        seen = seconds
+        if self.observations >= self.settled:
+            seconds = min(seconds, self.outlier * self.predict(padded_tokens, inputs))
         for i in range(3):
             self._r[i] *= self.forgetting
             for j in range(3):
@@ -48,7 +64,7 @@ class ServiceTimeModel:
         self._w = self._solve()
         self.observations += 1
         self._recent_inputs.append(inputs)
-        self._floor = seconds if self.observations == 1 else min(self._floor, seconds)
+        self._floor = seen if self.observations == 1 else min(self._floor, seen)
 
     def predict(self, padded_tokens: int, inputs: int) -> float:
         a, b, c = self._w

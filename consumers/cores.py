@@ -232,7 +232,6 @@ class BatchCore(EngineCore):
         (self.background if background else self.batcher).add(
             job, priority=0 if background else int(request.priority), size=len(request.inputs),
             longest=max(count(t) for t in request.inputs), deadline=job.deadline, now=now,
-            enqueued=now - job.queue_ms / 1000.0,
         )
         return True  # a copy is computed again: replies are idempotent by id, and a batch is cheap
 

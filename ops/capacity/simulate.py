@@ -188,7 +188,7 @@ class _Worker:
     def add(self, r: Request) -> None:
         now, m = self.sim.now, self.pool.model
         if self.batcher is not None:
-            self.batcher.add(r, priority=1, size=1, longest=m.tokens, deadline=r.deadline, now=now, enqueued=r.sent)
+            self.batcher.add(r, priority=1, size=1, longest=m.tokens, deadline=r.deadline, now=now)
         else:
             assert self.gen is not None
             sid = f"{id(r)}"

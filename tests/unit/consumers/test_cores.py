@@ -324,6 +324,27 @@ def test_batch_an_expired_request_is_shed_once_and_never_runs() -> None:
     assert len(observer.of("shed")) == 1
 
 
+def test_batch_records_that_come_late_but_are_served_as_they_come_are_never_shed() -> None:
+    """Each record written 300 ms before its fetch (a slow broker, or a worker whose clock runs 300 ms
+    ahead of the producer's): far over CoDel's 50 ms target, for ten times its interval. The worker's own
+    queue never stands, so nothing is shed and every request is answered."""
+    core, runner, observer = batch_core(BatchPolicy(max_batch_size=1, codel_target_ms=50, codel_interval_ms=100))
+    now, replies = T0, []
+    for i in range(100):  # one every 10 ms, for a second; the one before it runs then: one always waits
+        core.admit(job(request(f"r{i}", (f"r{i}",)), offset=i, fetched=now, queue_ms=300.0), now)
+        replies += core.shed(now, now)
+        if i:
+            plan = core.next(now)
+            assert plan.work is not None
+            replies += core.complete(plan.work, execute(plan.work, now))
+            assert runner.calls[-1] == [f"r{i - 1}"]
+        now += 0.01
+    replies += drain_batches(core, now)
+    assert observer.of("shed") == []
+    assert terminals(replies) == {f"r{i}": 1 for i in range(100)}
+    assert all(isinstance(r.message, Result) and r.message.status is Status.OK for r in replies)
+
+
 def test_batch_revoke_drops_the_lost_partitions_without_replies() -> None:
     core, runner, _ = batch_core()
     for i in range(6):
