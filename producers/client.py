@@ -656,7 +656,10 @@ class Client:
         target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies.sent if p is not None])
         if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
             return False
-        if not hedger.budget.spend():
+        # A request stranded on a suspect partition may spend the whole bucket; one that is only slow where
+        # others are answered (the tail), only what is above the reserve kept for the stranded.
+        keep = 0.0 if hedger.board.suspect(topic, last) else hedger.policy.reserve * hedger.policy.burst
+        if not hedger.budget.spend(keep):
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None
         metrics.HEDGES.labels(request.model).inc()

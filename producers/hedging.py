@@ -12,7 +12,11 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
   another partition; should that copy wait as long too, once more again (``max_hedges``). The first
   answer wins; the others are duplicates the client drops by id (workers are idempotent by id
   already). Hedges are paid from a ``HedgeBudget`` that earns a fraction of a hedge for every
-  request sent, so the extra work stays bounded (2 % by default). No hedge goes to a suspect
+  request sent, so the extra work stays bounded (2 % by default). Part of the bucket (``reserve``)
+  is kept for requests stranded on a suspect partition: a slow answer from a partition that answers
+  others (a busy box's tail) may spend only what is above it. Without the reserve, calm weather's
+  tail wanted about twice what the budget earns, the bucket sat empty, and when a worker stopped the
+  requests it stranded found nothing to pay their hedges with. No hedge goes to a suspect
   partition: when every other one has stopped too (the whole topic waits on a broker), a hedge would
   only wait as well, and the budget is kept for when it can help. The request looks again later,
   each time twice as long after: a partition suspected for one slow batch is trusted again at its
@@ -44,6 +48,7 @@ class HedgePolicy:
     enabled: bool = True
     budget: float = 0.02  # hedges earned per request sent: at most this fraction, over time
     burst: float = 50.0  # hedges that may be spent at once (a partition dying strands a burst)
+    reserve: float = 0.5  # of the burst: spent only on requests stranded on a suspect partition
     # Hedge a request unanswered at this quantile of recent latencies: about 1 - quantile of requests
     # would be hedged in calm weather, which must leave most of the budget for a partition that dies.
     quantile: float = 0.99
@@ -57,6 +62,8 @@ class HedgePolicy:
     def __post_init__(self) -> None:
         if not 0.0 <= self.budget <= 1.0:
             raise ValueError(f"budget must be within [0, 1], got {self.budget}")
+        if not 0.0 <= self.reserve < 1.0:
+            raise ValueError(f"reserve must be within [0, 1), got {self.reserve}")
         if not 0.0 < self.quantile < 1.0:
             raise ValueError(f"quantile must be within (0, 1), got {self.quantile}")
         if self.burst < 1.0 or self.min_samples < 1 or self.window < self.min_samples or self.max_hedges < 1:
@@ -105,8 +112,9 @@ class HedgeBudget:
     def earn(self) -> None:
         self.tokens = min(self.burst, self.tokens + self.rate)
 
-    def spend(self) -> bool:
-        if self.tokens >= 1.0:
+    def spend(self, keep: float = 0.0) -> bool:
+        """One hedge, if the bucket holds one more than ``keep`` (what is kept for others)."""
+        if self.tokens >= 1.0 + keep:
             self.tokens -= 1.0
             self.spent += 1
             return True

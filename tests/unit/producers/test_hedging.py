@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Any
 
 import pytest
@@ -16,6 +17,12 @@ from kinfer.topics import Priority, Request, Result, Status, Unavailable, now_ms
 from kinfer.topics.envelope import ReplyRoute
 
 T = "infer.m.p1"
+
+
+def test_a_hedge_kept_out_of_the_reserve_leaves_it_whole() -> None:
+    budget = HedgeBudget(rate=0.02, burst=4)
+    assert [budget.spend(keep=2.0) for _ in range(3)] == [True, True, False]
+    assert budget.tokens == 2 and [budget.spend() for _ in range(3)] == [True, True, False]
 
 
 def test_budget_earns_a_fraction_per_request_and_caps_at_the_burst() -> None:
@@ -226,6 +233,53 @@ async def test_requests_waiting_on_a_partition_that_turns_suspect_are_hedged_at_
         waiter.set_result(Result(rid, "m", Status.OK))
     assert all(r.ok for r in await asyncio.gather(*exchanges))
     assert client._waiting == {}  # nothing is left listed once the requests are over
+    await client._producer.stop()
+    await client._redis.aclose()
+
+
+async def test_the_tail_leaves_the_reserve_to_requests_stranded_on_a_suspect_partition() -> None:
+    """The bucket holds 2.5 hedges, 2 of them the reserve. A request slow on a partition that answers others
+    (the tail) is not hedged; a request on a partition that answers nothing is, from the reserve."""
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t",
+                    hedging=HedgePolicy(min_samples=1, max_hedges=1, burst=4.0, reserve=0.5))
+    hedger = client._hedger
+    hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
+    published: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
+
+    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+        published.put_nowait((request.id, partition))
+
+    client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
+    client._publish = publish  # type: ignore[method-assign]
+    looked, hedge = asyncio.Queue[str](), client._hedge
+
+    def hedge_and_tell(topic: str, request: Request, *args: Any) -> bool | None:
+        sent = hedge(topic, request, *args)
+        looked.put_nowait(request.id)
+        return sent
+
+    client._hedge = hedge_and_tell  # type: ignore[method-assign]
+    hedger.budget.tokens = 2.5
+    waiters: dict[str, asyncio.Future[Result]] = {}
+    exchanges = []
+    for rid in ("tail", "stranded"):
+        request = Request(id=rid, model="m", priority=Priority.P1, tenant="t", created_ms=now_ms(),
+                          deadline_ms=now_ms() + 10_000_000, inputs=("x",), reply=ReplyRoute(redis="c"))
+        waiters[rid] = asyncio.get_running_loop().create_future()
+        exchanges.append(asyncio.create_task(client._exchange(T, b"", request, None, waiters[rid])))
+        _, partition = await asyncio.wait_for(published.get(), 10)
+        assert partition is not None
+        if rid == "tail":  # another request's answer from the same partition: it works, this one is slow
+            hedger.board.answered(T, partition, time.monotonic())
+            assert await asyncio.wait_for(looked.get(), 10) == "tail"
+            assert published.empty() and hedger.budget.refused == 1 and not hedger.board.suspect(T, partition)
+    assert await asyncio.wait_for(looked.get(), 10) == "stranded"
+    rid, copy = await asyncio.wait_for(published.get(), 10)
+    assert rid == "stranded" and copy is not None and hedger.budget.spent == 1
+    assert hedger.budget.tokens == pytest.approx(2.5 + 2 * 0.02 - 1)  # two requests sent earned 0.04
+    for rid, waiter in waiters.items():
+        waiter.set_result(Result(rid, "m", Status.OK))
+    assert all(r.ok for r in await asyncio.gather(*exchanges))
     await client._producer.stop()
     await client._redis.aclose()
 
