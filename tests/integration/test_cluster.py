@@ -121,12 +121,11 @@ async def test_a_new_telemetry_processor_counts_from_its_first_record_on_three_b
         telemetry.stop()
 
 
-def test_three_faults_lose_nothing(cluster: tuple[LocalStack, StackInfo]) -> None:
+def test_worker_faults_lose_nothing_and_each_costs_at_most_its_bound(cluster: tuple[LocalStack, StackInfo]) -> None:
     """Faults under steady traffic on the three-broker fleet: nothing lost, nothing answered twice, what was
-    killed restarted, every request accounted for. Availability here is a smoke bound: the soak shares two
-    cores with the rest of the suite; the 20-minute figure is the benchmark's. The soak's own machinery
-    (the supervisor, the accounting) is what this tests: each fault class is tested on its own in
-    ``test_faults`` and ``test_fault_suite``."""
+    killed restarted, every request accounted for, and each fault within its class's bound (``FAULT_BOUNDS``,
+    scaled to the rate: at 80/s a worker's death or pause may fail 20 requests), beside the rest of the suite
+    on two cores. Each fault class is also tested on its own in ``test_faults`` and ``test_fault_suite``."""
     faults = ("worker_sigkill", "worker_sigstop")
     config = ChaosConfig(minutes=0.5, rate=80.0, every_s=(13.0, 14.0), first_fault_s=5.0, warmup_s=8.0, drain_s=5.0,
                          faults=faults)
@@ -136,4 +135,5 @@ def test_three_faults_lose_nothing(cluster: tuple[LocalStack, StackInfo]) -> Non
     assert report["lost"] == 0 and report["duplicates_delivered"] == 0, report["lost_ids"]
     killed = next(f["target"] for f in report["faults"] if f["kind"] == "worker_sigkill")
     assert report["restarts"][killed] >= 1
-    assert report["ok"] >= 0.8 * report["offered"], {k: report[k] for k in (*KINDS, "why")}
+    over = [f for f in report["faults"] if not f["within_bound"]]
+    assert not over, over
