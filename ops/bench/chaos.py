@@ -6,8 +6,9 @@ fixed time per batch, so the box's CPU is not what limits them), the lag monitor
 stream, each kept alive by a supervisor that restarts what dies (as Kubernetes would), and the client
 library with admission on.
 Traffic is open-loop Poisson at ``rate`` (about half the fleet's capacity by default), every request
-with the same deadline (``deadline_ms``). After a quiet warm-up, a fault from the menu comes every
-30–60 s, drawn from ``seed`` (the same seed, the same faults at the same times):
+with the same deadline (``deadline_ms``). Once every worker has joined the model's group and a
+warm-up has passed (its traffic not counted), a fault from the menu comes every 30–60 s, drawn from
+``seed`` (the same seed, the same faults at the same times):
 
     worker_sigkill      a worker killed; its supervisor restarts it (same instance id)
     worker_sigstop      a worker paused 5–12 s (past its session timeout), then resumed
@@ -64,7 +65,8 @@ from kinfer.ops.localstack.stack import LocalStack, StackInfo
 from kinfer.producers import Client
 from kinfer.producers.hedging import HedgePolicy
 from kinfer.topics import DeadlineExceeded, KinferError, Overloaded
-from kinfer.topics.admin import ensure_topics, model_topic_specs, shared_topic_specs
+from kinfer.topics.admin import ensure_topics, group_members, model_topic_specs, offset_clients, shared_topic_specs
+from kinfer.topics.names import consumer_group
 
 FAULTS = ("worker_sigkill", "worker_sigstop", "broker_sigkill", "broker_slow", "redis_sigkill", "redis_slow",
           "lagmon_sigkill", "telemetry_sigkill")
@@ -83,7 +85,7 @@ class ChaosConfig:
     compute_ms: float = 25.0  # one batch on the simulated accelerator
     max_batch: int = 4  # so a worker serves max_batch / compute_ms: 160/s, the fleet 480/s
     every_s: tuple[float, float] = (30.0, 60.0)  # between two faults
-    warmup_s: float = 20.0  # traffic before the soak, not counted: every worker joins, estimates settle
+    warmup_s: float = 20.0  # traffic before the soak, once every worker joined, not counted: estimates settle
     first_fault_s: float = 10.0  # into the soak
     drain_s: float = 15.0  # after the traffic, time for late replies (lost = none ever came)
     seed: int = 1
@@ -257,11 +259,25 @@ async def _soak(config: ChaosConfig, fleet: _Fleet) -> dict[str, Any]:
     policy = HedgePolicy() if config.hedging else HedgePolicy(enabled=False)
     try:
         async with Client(info.bootstrap, info.redis_url, tenant="chaos", hedging=policy) as client:
-            await wait_until_served(client, MODEL)  # the others join during the warm-up
+            await wait_until_served(client, MODEL)
+            await _all_joined(info.bootstrap, config.workers)
             return await _drive(config, fleet, client)
     finally:
         fleet.supervisor.stop()
         watcher.cancel()
+
+
+async def _all_joined(bootstrap: str, workers: int, timeout_s: float = 120.0) -> None:
+    """Until every worker is a member of the model's group. The fleet's own start is not one of the faults:
+    each worker that joins is an eager rebalance that stops every partition for a moment, and a third
+    worker joining 20 s into the warm-up once had the level REJECTING in the soak's first two seconds
+    (389 refused). The warm-up that follows lets the last rebalance finish and the estimates settle."""
+    group, give_up = consumer_group(MODEL), time.monotonic() + timeout_s
+    async with offset_clients(bootstrap) as (admin, _):
+        while (await group_members(admin, [group]))[group] < workers:
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"fewer than {workers} workers joined {group} in {timeout_s:g} s")
+            await asyncio.sleep(0.5)
 
 
 async def _drive(config: ChaosConfig, fleet: _Fleet, client: Client) -> dict[str, Any]:
