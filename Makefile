@@ -77,8 +77,9 @@ typecheck: deps
 # workers on two cores kept the CPUs 70-80 % busy; three took the suite from 338 s to 254 s, four to
 # 245 s). Files go out in the suite's own order, longest first (tests/conftest.py), not xdist's (most
 # tests first, which left the minute-long scenarios, one test a file, to run last and alone). Tests
-# marked clock compare latencies: they run after the others, alone, so no other test's processes are
-# their noise; only their files are collected for that run (collecting the whole suite takes 7 s).
+# marked clock compare latencies or count missed deadlines: they run after the others, alone, so no
+# other test's processes are their noise; only their files are collected for that run (collecting the
+# whole suite takes 7 s).
 CLOCK_FILES = $(shell grep -rl --include='test_*.py' 'pytest.mark.clock' tests)
 test: lint typecheck
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "not clock"

@@ -5,8 +5,8 @@ loadfile``), handing each worker the next file in collection order as it finishe
 scenario collected last runs alone while the other workers idle; collected first, the short files fill
 in around it. So files holding a ``slow`` test go first, then the other integration files, then the
 unit tests (a stable sort: the order within each group, and within each file, is kept). Files marked
-``clock`` compare latencies: they go last, when the soaks that would starve them of CPU are over
-(``make test`` runs them alone, after the rest).
+``clock`` compare latencies or count missed deadlines: they go last, when the soaks that would starve
+them of CPU are over (``make test`` runs them alone, after the rest).
 
 Hypothesis runs without its clock-based checks (a per-example deadline, "data generation is too
 slow"): beside the soaks on two cores an example can take seconds, and the suite asserts by counts,
