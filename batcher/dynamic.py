@@ -37,8 +37,12 @@ worker calls ``add`` for each request it fetches, ``shed(now, free_at)`` and the
 * ``deadline``: it cannot finish in time even if it ran alone as soon as the executor is free
   (``free_at`` + its predicted service time): refused now, not computed late.
 * ``codel``: a standing queue persists (CoDel on the sojourn time in this queue, since the request
-  was added); the oldest request of the lowest priority at or above ``codel_min_priority`` goes
-  first. Time spent before, in Kafka or on the way, is not this queue's: a worker whose records
+  was added), and it would make a request late: served in rank order, in full batches, from when the
+  executor is free, some request is predicted to finish past its deadline. Of those, the lowest
+  priority at or above ``codel_min_priority`` goes first, oldest first. A request the queue still
+  serves in time is never shed: a short standing queue (a burst, a process stalled for a moment) costs
+  latency, not answers; one that outgrows the deadlines is cut at its tail before the tail expires.
+  Time spent before, in Kafka or on the way, is not this queue's: a worker whose records
   arrive late, because a broker or the box is slow or its clock is not the producer's, has no
   standing queue to shed, and dropping its requests would not make the rest faster. A worker that
   cannot keep up does have one: what it cannot serve waits here (up to its buffer) before it waits
@@ -287,7 +291,7 @@ class DynamicBatcher(Generic[T]):
             self._take(d.pending)
         self._codel.observe(self._standing(now), now)
         while self._codel.should_drop(now):
-            victim = self._codel_victim()
+            victim = self._codel_victim(now, start)
             if victim is None:
                 break
             self._take(victim)
@@ -429,11 +433,24 @@ class DynamicBatcher(Generic[T]):
         tokens, size = self._largest
         return max(self.service.predict(t, n) for t in (1, tokens) for n in (1, size))
 
-    def _codel_victim(self) -> Pending[T] | None:
-        candidates = [p for p in self._items.values() if p.priority >= self.policy.codel_min_priority]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda p: (-p.priority, p.seq))
+    def _codel_victim(self, now: float, start: float) -> Pending[T] | None:
+        """Of the requests the queue ahead of them would make late, the lowest priority, oldest first (None
+        when every one is predicted in time: a standing queue that drains within its deadlines costs none)."""
+        late = [p for p in self._late_behind_queue(now, start) if p.priority >= self.policy.codel_min_priority]
+        return min(late, key=lambda p: (-p.priority, p.seq), default=None)
+
+    def _late_behind_queue(self, now: float, start: float) -> Iterator[Pending[T]]:
+        """Queued requests predicted to finish past their deadline when the queue is served in rank order
+        from ``start``, in batches as full as the policy allows (so each prediction is the soonest)."""
+        policy, done, size, longest = self.policy, start, 0, 0
+        for p in sorted(self._items.values(), key=lambda p: (p.level(now, self._aging_s), p.seq)):
+            grown, wider = size + p.size, max(longest, p.longest)
+            if size and (grown > policy.max_batch_size or grown * wider > policy.max_batch_tokens):
+                done += self.service.predict(size * longest, size)  # the batch before goes out whole
+                grown, wider = p.size, p.longest
+            size, longest = grown, wider
+            if done + self.service.predict(size * longest, size) > p.deadline:
+                yield p
 
     def _take(self, p: Pending[T]) -> None:
         del self._items[p.seq]

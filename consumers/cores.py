@@ -101,7 +101,7 @@ _SHED_STATUS = {Reason.EXPIRED: Status.EXPIRED, Reason.DEADLINE: Status.EXPIRED,
 _SHED_TEXT = {
     Reason.EXPIRED: "deadline passed while queued",
     Reason.DEADLINE: "cannot finish by its deadline (predicted queue + compute)",
-    Reason.CODEL: "shed under overload (standing queue), lowest priority first",
+    Reason.CODEL: "shed under overload: the standing queue would make it late (lowest priority first)",
 }
 
 

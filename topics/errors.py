@@ -62,7 +62,7 @@ class ColdStart(Overloaded):
 
 
 class Shed(KinferError):
-    """Accepted, then dropped by a worker to protect higher-priority or younger work."""
+    """Accepted, then dropped by a worker whose standing queue would have made it late (CoDel)."""
 
     retriable = True
     shed = True

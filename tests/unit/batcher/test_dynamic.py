@@ -155,24 +155,46 @@ def test_deadline_aware_shedding_refuses_what_cannot_finish() -> None:
     assert b.wake_at(0.6, idle=True) == pytest.approx(4.95)
 
 
-def test_codel_sheds_lowest_priority_only_after_a_standing_queue_persists() -> None:
-    b = make_batcher(codel_target_ms=50, codel_interval_ms=100)
-    add(b, "p0", 0.0, priority=0)
-    add(b, "p1", 0.0, priority=1)
-    add(b, "p2-old", 0.0, priority=2)
-    add(b, "p2-new", 0.01, priority=2)
+def test_codel_sheds_only_after_a_standing_queue_persists_and_only_what_it_would_make_late() -> None:
+    """A standing queue for a whole interval starts the shedding; each shed takes, of the requests the queue
+    ahead of them would make late (served in rank order, one 100 ms batch each), the lowest priority first.
+    What the queue still serves in time stays, however long CoDel goes on seeing the standing queue."""
+    b = make_batcher(ServicePrior(fixed_s=0.1, per_token_s=0.0, per_input_s=0.0, strength=1e9),
+                     codel_target_ms=50, codel_interval_ms=100, max_batch_size=1)
+    add(b, "p0", 0.0, priority=0, deadline=10.0)
+    add(b, "p1", 0.0, priority=1, deadline=10.0)
+    add(b, "p2-old", 0.0, priority=2, deadline=0.5)
+    add(b, "p2-new", 0.01, priority=2, deadline=0.5)
     assert b.shed(0.06) == []  # above target, but not yet for a whole interval
     assert b.shed(0.12) == []
-    dropped = b.shed(0.17)  # above target for 100 ms: shed, lowest priority, oldest first
-    assert [(d.pending.payload, d.reason) for d in dropped] == [("p2-old", Reason.CODEL)]
+    # Above target for 100 ms. From 0.17: p0 ends at 0.27, p1 at 0.37, p2-old at 0.47 (in time), p2-new
+    # at 0.57, past its deadline: it goes, though alone it would still fit.
+    dropped = b.shed(0.17)
+    assert [(d.pending.payload, d.reason) for d in dropped] == [("p2-new", Reason.CODEL)]
     assert b.shedding
-    later = b.shed(0.3)
-    assert [d.pending.payload for d in later] == ["p2-new"]
-    assert [d.pending.payload for d in b.shed(0.5)] == ["p1"]
-    assert b.shed(0.9) == []  # p0 is never shed by CoDel
-    assert b.next_batch(0.9) is not None
-    b.shed(1.0)
-    assert not b.shedding  # queue empty: standing queue gone
+    assert [d.pending.payload for d in b.shed(0.3)] == ["p2-old"]  # from 0.3 it would end at 0.6
+    for t in (0.5, 0.9, 2.0):  # p0 and p1 make their deadlines behind any queue left: never shed
+        assert b.shed(t) == []
+    assert b.shedding  # the standing queue is still there (nothing was served)
+    assert names(b.next_batch(2.0)) == ["p0"]
+
+
+def test_a_short_standing_queue_that_drains_in_time_costs_no_request() -> None:
+    """A worker stalled for a moment (a starved box) finds 13 requests waiting, with 600 ms or more left
+    each: a standing queue by CoDel's measure, interval after interval, and four batches of 25 ms to serve
+    it. Nothing is shed. A queue that outgrows the deadlines is cut at its tail, before the tail expires."""
+    b = make_batcher(ServicePrior(fixed_s=0.025, per_token_s=0.0, per_input_s=0.0, strength=1e9),
+                     codel_target_ms=50, codel_interval_ms=500, max_batch_size=4)
+    for i in range(13):
+        add(b, f"r{i}", 0.0, deadline=1.5)
+    for t in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        assert b.shed(t) == []
+    assert b.shedding  # CoDel sees the standing queue, and sheds none of it
+    for i in range(13, 80):  # the queue outgrows the deadlines: 80 requests are 20 batches, 0.5 s
+        add(b, f"r{i}", 0.9, deadline=1.5)
+    dropped = b.shed(1.2)  # CoDel's next drop: from 1.2, the 13th batch (r48-r51) on ends past 1.5
+    assert [(d.pending.payload, d.reason) for d in dropped] == [("r48", Reason.CODEL)]
+    assert 1.2 + 0.025 < 1.5  # alone it would still fit: the deadline check would have let it wait to expire
 
 
 def test_codel_sees_only_the_queue_a_batch_drains_not_the_time_before_it() -> None:
