@@ -48,5 +48,10 @@ class CoDel:
         self.count += 1
         return True
 
+    def spare(self) -> None:
+        """The drop ``should_drop`` just allowed was not taken (nothing worth shedding): it does not count,
+        so the next check comes as soon, not sooner, and a later drop starts at the rate reached so far."""
+        self.count = max(1, self.count - 1)
+
     def next_drop_at(self) -> float | None:
         return self._drop_next if self.dropping else None

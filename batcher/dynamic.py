@@ -293,6 +293,7 @@ class DynamicBatcher(Generic[T]):
         while self._codel.should_drop(now):
             victim = self._codel_victim(now, start)
             if victim is None:
+                self._codel.spare()
                 break
             self._take(victim)
             dropped.append(Dropped(victim, Reason.CODEL))
