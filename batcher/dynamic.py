@@ -442,7 +442,8 @@ class DynamicBatcher(Generic[T]):
 
     def _late_behind_queue(self, now: float, start: float) -> Iterator[Pending[T]]:
         """Queued requests predicted to finish past their deadline when the queue is served in rank order
-        from ``start``, in batches as full as the policy allows (so each prediction is the soonest)."""
+        from ``start``, in batches as full as the policy allows, each ending with the request that joined it
+        last: a hopeful prediction, so what it names late is late."""
         policy, done, size, longest = self.policy, start, 0, 0
         for p in sorted(self._items.values(), key=lambda p: (p.level(now, self._aging_s), p.seq)):
             grown, wider = size + p.size, max(longest, p.longest)
