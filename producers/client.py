@@ -19,8 +19,9 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Any, Literal
 
@@ -121,48 +122,74 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def _time_out(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
+class InFlight:
+    """One request in flight: its copies on the broker and its one timer, driven by callbacks
+    (``Client._exchange``).
 
-
-class _Copies:
-    """One request's copies on the broker and its hedge timer, driven by callbacks (``Client._exchange``).
-
-    A copy's send task tells when the broker took it or refused it; when every copy sent was refused
-    and none taken, the refusal fails the reply's future, which is the answer. The hedge timer fires
-    at the hedge delay after the last copy (or, put off, twice as long each time) and asks the client
-    for another copy while the reply is still awaited. A hedgeable request is listed under the partition
-    its last copy waits on (``Client._waiting``), so that the partition turning suspect hurries it.
+    The timer is the request's clock: it fires at the hedge delay after the last copy (or, put off,
+    twice as long each time) and asks the client for another copy, and at the deadline it ends the
+    wait, whichever comes first; a request that is answered before its hedge delay costs one timer,
+    armed once and cancelled once. Each copy's delivery (the broker's acknowledgement) is a callback:
+    when every copy sent was refused and none taken, the refusal fails the reply's future, which is
+    the answer. The first copy is handed to the producer by the caller itself (``Client._exchange``;
+    no task); a hedge's copy by a task of its own, called off when the request ends. A hedgeable
+    request is listed under the partition its last copy waits on (``Client._waiting``), so that the
+    partition turning suspect hurries it.
     """
 
-    __slots__ = ("_client", "_data", "_delay", "_headers", "_on", "_partitions", "_put_off", "_request", "_timer",
-                 "_topic", "_wait", "_waiter", "accepted", "refusal", "sends", "sent")
+    __slots__ = ("_client", "_deadline", "_delay", "_hedge_at", "_on", "_partitions", "_put_off", "_timer",
+                 "_wait", "accepted", "data", "expired", "handing", "headers", "refusal", "request", "sends", "sent",
+                 "topic", "waiter")
 
     def __init__(self, client: Client, topic: str, data: bytes, request: Request,
-                 headers: list[tuple[str, bytes]] | None, waiter: asyncio.Future[Result],
-                 partitions: list[int] | None, delay: float | None) -> None:
-        self._client, self._topic, self._data, self._request, self._headers = client, topic, data, request, headers
-        self._waiter, self._partitions = waiter, partitions
-        self._delay = self._wait = delay  # wait: until the next look for a hedge (doubles while put off)
+                 headers: list[tuple[str, bytes]] | None) -> None:
+        self._client, self.topic, self.data, self.request, self.headers = client, topic, data, request, headers
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + max(0.0, client._remaining_s(request))  # on the loop's clock
+        self._partitions: list[int] | None = None
+        self._delay: float | None = None  # the hedge delay (None: not hedged)
+        self._wait: float | None = None  # until the next look for a hedge (doubles while put off)
+        self._hedge_at: float | None = None  # when that is, on the loop's clock
         self._put_off = False  # a hedge was due with nowhere better to go
         self._timer: asyncio.Handle | None = None
         self._on: tuple[str, int] | None = None  # where it is listed in the client's ``_waiting``
-        self.sends: set[asyncio.Task[None]] = set()  # copies the broker has not answered yet
+        self.waiter: asyncio.Future[Result] = client._replies.expect(
+            request.id, self.ask_again if request.reply.redis is not None else None)
+        self.sends: set[asyncio.Future[Any]] = set()  # copies the broker has not answered yet
         self.sent: list[tuple[int | None, float]] = []  # where each copy went, and when
         self.accepted = False  # the broker took a copy
+        self.expired = False  # the deadline passed unanswered
+        self.handing: asyncio.Task[Any] | None = None  # the caller, while it hands the first copy over
         self.refusal: BaseException | None = None  # the first copy the broker refused
 
-    def send(self, partition: int | None, now: float) -> None:
-        """One more copy to ``partition``, and the hedge timer set from now."""
-        task = self._client._spawn_send(self._topic, self._data, self._request, self._headers, partition)
-        task.add_done_callback(self._done)
-        self.sends.add(task)
+    def hedge_with(self, partitions: list[int], delay: float | None) -> None:
+        """Hedge this request over ``partitions``, a copy after ``delay`` unanswered (None: not hedged)."""
+        self._partitions, self._delay, self._wait = partitions, delay, delay
+
+    def sending(self, partition: int | None, now: float) -> None:
+        """One more copy goes to ``partition`` now: the clock set for its hedge (and the deadline)."""
         self.sent.append((partition, now))
         if self._wait is not None:
-            self._arm(self._wait)
+            self._hedge_at = asyncio.get_running_loop().time() + self._wait
             if partition is not None:
-                self._list((self._topic, partition))
+                self._list((self.topic, partition))
+        self._arm()
+
+    def track(self, delivery: asyncio.Future[Any]) -> None:
+        """A copy handed over: its delivery, or the task still handing it over, told to ``_done``."""
+        self.sends.add(delivery)
+        delivery.add_done_callback(self._done)
+
+    def refused(self, error: BaseException) -> None:
+        """A copy the producer would not take (or the broker refused)."""
+        self.refusal = self.refusal or error
+        if not self.sends and not self.accepted and not self.waiter.done():
+            self.waiter.set_exception(self.refusal)  # a KinferError: raised to the caller as it is
+
+    def ask_again(self) -> None:
+        """Publish the request once more, byte for byte: its Redis reply channel was lost before it was
+        answered (``ReplyMux``)."""
+        self._client._send_again(self.topic, self.data, self.request, self.headers)
 
     def _list(self, on: tuple[str, int] | None) -> None:
         waiting = self._client._waiting
@@ -180,49 +207,74 @@ class _Copies:
 
     def hurry(self) -> None:
         """Its partition was found stalled by another request: look for a hedge now, not at the delay."""
-        if self._timer is not None and self._wait is not None and not self._waiter.done():
+        if self._timer is not None and self._wait is not None and not self.waiter.done():
             self._timer.cancel()
-            self._timer = asyncio.get_running_loop().call_soon(self._due)
+            loop = asyncio.get_running_loop()
+            self._hedge_at = loop.time()
+            self._timer = loop.call_soon(self._due)
 
-    def _arm(self, seconds: float) -> None:
+    def _arm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_at(loop.time() + seconds, self._due)
+        at = self._deadline if self._hedge_at is None else min(self._hedge_at, self._deadline)
+        self._timer = asyncio.get_running_loop().call_at(at, self._due)
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self.sends.discard(task)
-        if task.cancelled():
+    def _done(self, delivery: asyncio.Future[Any]) -> None:
+        self.sends.discard(delivery)
+        if delivery.cancelled():
             return
-        error = task.exception()
+        error = delivery.exception()
         if error is None:
             self.accepted = True
-            return
-        self.refusal = self.refusal or error
-        if not self.sends and not self.accepted and not self._waiter.done():
-            self._waiter.set_exception(self.refusal)  # a KinferError: raised to the caller as it is
+        elif isinstance(error, KafkaError):
+            self.refused(Unavailable(f"publishing to {self.topic} failed: {error}"))
+        else:
+            self.refused(error)
 
     def _due(self) -> None:
-        """Unanswered at the hedge delay: its last copy's partition is suspect; a copy elsewhere."""
+        """The deadline passed, or the last copy went unanswered for the hedge delay (its partition is
+        suspect: a copy elsewhere)."""
         self._timer = None
-        if self._waiter.done():
+        if self.waiter.done():
             return
-        assert self._delay is not None and self._wait is not None and self._partitions
-        waited, self._wait = self._wait, self._delay  # a copy sent now arms the timer at the delay
-        if self._client._hedge(self._topic, self._request, self._partitions, self) is False:
-            # Nowhere to go yet: look again, less often. (None: no more hedging for it.)
-            self._client._hedger.nowhere += not self._put_off  # once a request
-            self._put_off, self._wait = True, waited * 2
-            self._arm(self._wait)
+        now = asyncio.get_running_loop().time()
+        if now >= self._deadline:
+            self.expired = True
+            if self.handing is not None:  # still handing the first copy over: the broker did not take it
+                self.handing.cancel()
+            else:
+                self.waiter.set_exception(TimeoutError())
+            return
+        if self._hedge_at is not None and now >= self._hedge_at:
+            assert self._delay is not None and self._wait is not None and self._partitions
+            waited, self._wait = self._wait, self._delay  # a copy sent now sets the clock at the delay
+            hedged = self._client._hedge(self.topic, self.request, self._partitions, self)
+            if hedged:
+                return  # the copy's ``sending`` set the clock
+            if hedged is False:  # nowhere to go yet: look again, less often
+                self._client._hedger.nowhere += not self._put_off  # once a request
+                self._put_off, self._wait = True, waited * 2
+                self._hedge_at = now + self._wait
+            else:  # no more hedging for it; the deadline stands
+                self._hedge_at = None
+        self._arm()
+
+    def deadline_error(self) -> DeadlineExceeded:
+        request = self.request
+        if not self.accepted:
+            return DeadlineExceeded(f"{request.model}/{request.id}: the broker did not take the request by its "
+                                    "deadline", answered=False, accepted=False)
+        return DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline", answered=False)
 
     def close(self) -> None:
         """The request is over: no more hedges; copies still being handed to the broker are called off."""
         if self._timer is not None:
             self._timer.cancel()
-        self._wait = None
+        self._wait = self._hedge_at = None
         self._list(None)
-        for task in self.sends:
-            task.cancel()
+        for send in self.sends:
+            if isinstance(send, asyncio.Task):  # a delivery future is the producer's: it is sent anyway
+                send.cancel()
 
 
 class Client:
@@ -262,7 +314,7 @@ class Client:
         self._outcomes = metrics.Outcomes()  # how requests ended, and how long the answered ones took
         self._demand_at: dict[str, float] = {}  # per cold model: when we last said it was wanted
         self._hedger = Hedger(self.settings.hedging)
-        self._waiting: dict[tuple[str, int], set[_Copies]] = {}  # hedgeable requests by their last copy's partition
+        self._waiting: dict[tuple[str, int], set[InFlight]] = {}  # hedgeable requests by their last copy's partition
         self._background: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -414,15 +466,9 @@ class Client:
         """Admit, publish and wait for one prepared request: its result, or the error it ended in."""
         model = request.model
         self._admit(request)
-        waiter = self._replies.expect(request.id, self._asker(topic, data, request, headers))
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(loop.time() + max(0.0, self._remaining_s(request)), _time_out, waiter)
         try:
-            result = await self._exchange(topic, data, request, headers, waiter)
+            result = await self._exchange(InFlight(self, topic, data, request, headers))
         finally:
-            timer.cancel()
-            if waiter.done() and not waiter.cancelled():
-                waiter.exception()  # retrieved: a time-out that fired while publishing is not "never retrieved"
             self._replies.forget(request.id)
         refused = result.status in (Status.SHED, Status.EXPIRED)
         self._throttle(model).record(time.monotonic(), accepted=not refused)
@@ -484,7 +530,8 @@ class Client:
             messages,
         )
         self._admit(request)
-        buffer = self._replies.open_stream(request.id, self._asker(topic, data, request, headers))
+        ask_again = partial(self._send_again, topic, data, request, headers) if request.reply.redis else None
+        buffer = self._replies.open_stream(request.id, ask_again)
         try:
             await self._publish(topic, data, request, headers)
             while True:
@@ -594,8 +641,7 @@ class Client:
         admitted.inc()
         sent.record(now)
 
-    async def _exchange(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-                        waiter: asyncio.Future[Result]) -> Result:
+    async def _exchange(self, copies: InFlight) -> Result:
         """Publish the request and wait for its result, hedging it (``producers.hedging``).
 
         The request goes to a partition the board trusts. Unanswered at the model's recent p99, it is
@@ -605,30 +651,24 @@ class Client:
         The first result wins; the others are dropped by id. A copy the broker refuses fails the call only
         when no copy was taken.
 
-        The copies' outcomes and the hedge's timer are callbacks (``_Copies``): the caller waits on its
-        reply's future alone, so a request that is never hedged costs one wait, not a wait on reply and
-        send together at every turn.
+        The caller hands the first copy to the producer itself and then waits on its reply's future
+        alone; the broker's acknowledgements, the hedge's moment and the deadline are callbacks on
+        ``copies`` (one timer), so a request that is never hedged costs no task and one timer.
         """
-        hedger = self._hedger
+        request, topic, hedger = copies.request, copies.topic, self._hedger
         partitions = self._partitions(topic)
         sent_at = time.monotonic()
         first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
         hedger.sent_one()
         # Background work waits for idle capacity by design: a copy would only wait as well.
-        hedgeable = partitions and len(partitions) > 1 and not request.priority.background
-        left_s = (request.deadline_ms - now_ms()) / 1000.0
-        copies = _Copies(self, topic, data, request, headers, waiter, partitions,
-                         hedger.delay_s(request.model, left_s) if hedgeable else None)
-        copies.send(first, sent_at)
+        if partitions and len(partitions) > 1 and not request.priority.background:
+            copies.hedge_with(partitions, hedger.delay_s(request.model, (request.deadline_ms - now_ms()) / 1000.0))
+        copies.sending(first, sent_at)
         try:
-            result = await waiter
-        except TimeoutError as exc:  # the deadline's timer (a refusal is raised as it is)
-            if not copies.accepted:
-                raise DeadlineExceeded(
-                    f"{request.model}/{request.id}: the broker did not take the request by its deadline",
-                    answered=False, accepted=False) from exc
-            raise DeadlineExceeded(f"{request.model}/{request.id}: no reply by the deadline",
-                                   answered=False) from exc
+            await self._hand_first(copies, first)
+            result = await copies.waiter
+        except TimeoutError as exc:  # the deadline (a refusal is raised as it is)
+            raise copies.deadline_error() from exc
         finally:
             copies.close()
         now = time.monotonic()
@@ -638,7 +678,27 @@ class Client:
             hedger.observe(request.model, now - sent_at)
         return result
 
-    def _hedge(self, topic: str, request: Request, partitions: list[int], copies: _Copies) -> bool | None:
+    async def _hand_first(self, copies: InFlight, partition: int | None) -> None:
+        """Hand the first copy to the producer in the caller's own task (the producer takes it at once
+        unless its buffer for the partition is full, or the topic's metadata is missing); its delivery is
+        tracked by ``copies``. The request's deadline, passing meanwhile, cancels the hand-over."""
+        task = asyncio.current_task()
+        assert task is not None
+        copies.handing = task
+        try:
+            delivery = await self._hand(copies.topic, copies.data, copies.request, copies.headers, partition)
+        except asyncio.CancelledError:
+            if copies.expired and task.uncancel() == 0:  # the deadline's, not the caller's
+                raise copies.deadline_error() from None
+            raise
+        except KafkaError as exc:
+            copies.refused(Unavailable(f"publishing to {copies.topic} failed: {exc}"))
+        else:
+            copies.track(delivery)
+        finally:
+            copies.handing = None
+
+    def _hedge(self, topic: str, request: Request, partitions: list[int], copies: InFlight) -> bool | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
         one more copy where it can help and the budget pays. True: a copy was sent; False: every other
         partition is suspect too, and the caller looks again later, each time twice as long after (a
@@ -663,27 +723,24 @@ class Client:
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None
         metrics.HEDGES.labels(request.model).inc()
-        copies.send(target, now)
+        copies.sending(target, now)
+        copies.track(self._in_background(self._deliver(topic, copies.data, request, copies.headers, target), None))
         return True
 
-    def _asker(self, topic: str, data: bytes, request: Request,
-               headers: list[tuple[str, bytes]] | None) -> Callable[[], None] | None:
-        """How to publish ``request`` once more, byte for byte, should its Redis reply channel be lost
-        before it is answered (``ReplyMux``); None when its reply does not come over Redis."""
-        if request.reply.redis is None:
-            return None
+    def _send_again(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None) -> None:
+        """Publish ``request`` once more, byte for byte: its Redis reply channel was lost before it was
+        answered (``ReplyMux``)."""
+        self._in_background(self._publish(topic, data, request, headers), self._background)
 
-        def ask_again() -> None:
-            task = self._spawn_send(topic, data, request, headers, None)
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-        return ask_again
-
-    def _spawn_send(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
-                    partition: int | None) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(self._publish(topic, data, request, headers, partition))
+    def _in_background(self, work: Coroutine[Any, Any, None],
+                       keep: set[asyncio.Task[None]] | None) -> asyncio.Task[None]:
+        """``work`` in a task of its own, kept in ``keep`` while it runs; its outcome retrieved whoever
+        waits for it (never "exception never retrieved")."""
+        task = asyncio.get_running_loop().create_task(work)
         task.add_done_callback(_retrieve)
+        if keep is not None:
+            keep.add(task)
+            task.add_done_callback(keep.discard)
         return task
 
     def _partitions(self, topic: str) -> list[int] | None:
@@ -691,8 +748,27 @@ class Client:
         available = self._producer.client.cluster.available_partitions_for_topic(topic)
         return sorted(available) if available else None
 
+    async def _hand(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
+                    partition: int | None) -> asyncio.Future[Any]:
+        """Hand one copy to the producer: the future of the broker's acknowledgement. A traced copy's send
+        span lasts until the broker took it: the acknowledgement is awaited here, within the span."""
+        span = tracing.send_span(topic, request.id, partition, headers)
+        with span as carried:
+            delivery: asyncio.Future[Any] = await self._producer.send(topic, data, headers=carried, partition=partition)
+            if span.span is not None:
+                await delivery
+        return delivery
+
+    async def _deliver(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None,
+                       partition: int | None = None) -> None:
+        """One copy handed over and acknowledged by the broker; a broker error is ``Unavailable``."""
+        try:
+            await (await self._hand(topic, data, request, headers, partition))
+        except KafkaError as exc:
+            raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
+
     async def _publish(self, topic: str, data: bytes, request: Request,
-                       headers: list[tuple[str, bytes]] | None, partition: int | None = None) -> None:
+                       headers: list[tuple[str, bytes]] | None) -> None:
         """Hand the request to the broker, by its deadline whatever the broker does.
 
         A broker that is down or slow makes the call fail at the deadline (``DeadlineExceeded``, not
@@ -702,15 +778,12 @@ class Client:
         """
         try:
             async with asyncio.timeout(max(0.0, self._remaining_s(request))):
-                with tracing.send_span(topic, request.id, partition, headers) as carried:
-                    await (await self._producer.send(topic, data, headers=carried, partition=partition))
+                await self._deliver(topic, data, request, headers)
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"{request.model}/{request.id}: the broker did not take the request by its deadline",
                 answered=False, accepted=False,
             ) from exc
-        except KafkaError as exc:
-            raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
 
     def _remaining_s(self, request: Request) -> float:
         return (request.deadline_ms - now_ms() + self.settings.reply_grace_ms) / 1000.0
@@ -727,9 +800,7 @@ class Client:
             with contextlib.suppress(RedisError, OSError):
                 await self._redis.publish(DEMAND_CHANNEL, DemandNote(model).pack())
 
-        task = asyncio.get_running_loop().create_task(publish())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(publish(), self._background)
 
     async def _cancel(self, model: str, request_id: str) -> None:
         with contextlib.suppress(RedisError, OSError):

@@ -12,11 +12,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kinfer.producers import Client
+from kinfer.producers.client import InFlight
 from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
-from kinfer.topics import Priority, Request, Result, Status, Unavailable, now_ms
+from kinfer.topics import DeadlineExceeded, Priority, Request, Result, Status, Unavailable, now_ms
 from kinfer.topics.envelope import ReplyRoute
 
 T = "infer.m.p1"
+FAR = 10**13  # a deadline no test reaches
+
+
+def taken() -> asyncio.Future[None]:
+    """The broker's acknowledgement of a copy, already in."""
+    delivery = asyncio.get_running_loop().create_future()
+    delivery.set_result(None)
+    return delivery
 
 
 def test_a_hedge_kept_out_of_the_reserve_leaves_it_whole() -> None:
@@ -172,11 +181,13 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
         hedger.board.hedged(T, p, sent=0.1, now=0.2)  # all three suspect, every probe due
     published: asyncio.Queue[int | None] = asyncio.Queue()
 
-    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
         published.put_nowait(partition)
+        return taken()
 
     client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
-    client._publish = publish  # type: ignore[method-assign]
+    client._hand = hand  # type: ignore[method-assign]
     looked, hedge = asyncio.Event(), client._hedge
 
     def hedge_and_tell(*args: Any) -> bool | None:
@@ -185,17 +196,17 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
         return sent
 
     client._hedge = hedge_and_tell  # type: ignore[method-assign]
-    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=2,
+    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=FAR,
                       inputs=("x",), reply=ReplyRoute(redis="c"))
-    waiter: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-    exchange = asyncio.create_task(client._exchange(T, b"", request, None, waiter))
+    copies = InFlight(client, T, b"", request, None)
+    exchange = asyncio.create_task(client._exchange(copies))
     first = await asyncio.wait_for(published.get(), 10)  # a probe of a suspect partition
     await asyncio.wait_for(looked.wait(), 10)  # its hedge came due: the others are suspect too
     assert hedger.nowhere == 1 and published.empty()
     live = next(p for p in (0, 1, 2) if p != first)
     hedger.board.answered(T, live, 1.0)  # another request's answer: that partition only was slow
     assert await asyncio.wait_for(published.get(), 10) == live  # the put-off hedge goes there
-    waiter.set_result(Result("r1", "m", Status.OK))
+    copies.waiter.set_result(Result("r1", "m", Status.OK))
     assert (await exchange).ok
     assert (hedger.nowhere, hedger.budget.spent) == (1, 1)
     await client._producer.stop()
@@ -211,11 +222,13 @@ async def test_requests_waiting_on_a_partition_that_turns_suspect_are_hedged_at_
     client._hedger.observe("m", 100.0)  # the delay is the p99: 100 s, unless a deadline is nearer
     published: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
 
-    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
         published.put_nowait((request.id, partition))
+        return taken()
 
     client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
-    client._publish = publish  # type: ignore[method-assign]
+    client._hand = hand  # type: ignore[method-assign]
     waiters: dict[str, asyncio.Future[Result]] = {}
     exchanges = []
     for i, left_ms in enumerate((10_000_000, 10_000_000, 10_000_000, 100_010)):  # the last: hedged at the floor
@@ -223,8 +236,9 @@ async def test_requests_waiting_on_a_partition_that_turns_suspect_are_hedged_at_
         created = now_ms()
         request = Request(id=rid, model="m", priority=Priority.P1, tenant="t", created_ms=created,
                           deadline_ms=created + left_ms, inputs=("x",), reply=ReplyRoute(redis="c"))
-        waiters[rid] = asyncio.get_running_loop().create_future()
-        exchanges.append(asyncio.create_task(client._exchange(T, b"", request, None, waiters[rid])))
+        copies = InFlight(client, T, b"", request, None)
+        waiters[rid] = copies.waiter
+        exchanges.append(asyncio.create_task(client._exchange(copies)))
         assert await asyncio.wait_for(published.get(), 10) == (rid, i % 3)
     hedges = {await asyncio.wait_for(published.get(), 10), await asyncio.wait_for(published.get(), 10)}
     assert {rid for rid, _ in hedges} == {"r3", "r0"} and all(p != 0 for _, p in hedges)
@@ -246,11 +260,13 @@ async def test_the_tail_leaves_the_reserve_to_requests_stranded_on_a_suspect_par
     hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
     published: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
 
-    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
         published.put_nowait((request.id, partition))
+        return taken()
 
     client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
-    client._publish = publish  # type: ignore[method-assign]
+    client._hand = hand  # type: ignore[method-assign]
     looked, hedge = asyncio.Queue[str](), client._hedge
 
     def hedge_and_tell(topic: str, request: Request, *args: Any) -> bool | None:
@@ -265,8 +281,9 @@ async def test_the_tail_leaves_the_reserve_to_requests_stranded_on_a_suspect_par
     for rid in ("tail", "stranded"):
         request = Request(id=rid, model="m", priority=Priority.P1, tenant="t", created_ms=now_ms(),
                           deadline_ms=now_ms() + 10_000_000, inputs=("x",), reply=ReplyRoute(redis="c"))
-        waiters[rid] = asyncio.get_running_loop().create_future()
-        exchanges.append(asyncio.create_task(client._exchange(T, b"", request, None, waiters[rid])))
+        copies = InFlight(client, T, b"", request, None)
+        waiters[rid] = copies.waiter
+        exchanges.append(asyncio.create_task(client._exchange(copies)))
         _, partition = await asyncio.wait_for(published.get(), 10)
         assert partition is not None
         if rid == "tail":  # another request's answer from the same partition: it works, this one is slow
@@ -293,17 +310,19 @@ async def test_a_refused_copy_fails_the_call_only_when_no_copy_was_taken(first_t
     outcomes: dict[int | None, asyncio.Future[None]] = {}
     sent = asyncio.Queue[int | None]()
 
-    async def publish(topic: str, data: bytes, request: Request, headers: object, partition: int | None) -> None:
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
         outcomes[partition] = asyncio.get_running_loop().create_future()
         sent.put_nowait(partition)
-        await outcomes[partition]
+        return outcomes[partition]
 
     client._partitions = lambda topic: [0, 1]  # type: ignore[method-assign]
-    client._publish = publish  # type: ignore[method-assign]
-    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=2,
+    client._hand = hand  # type: ignore[method-assign]
+    request = Request(id="r1", model="m", priority=Priority.P1, tenant="t", created_ms=1, deadline_ms=FAR,
                       inputs=("x",), reply=ReplyRoute(redis="c"))
-    waiter: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-    exchange = asyncio.create_task(client._exchange(T, b"", request, None, waiter))
+    copies = InFlight(client, T, b"", request, None)
+    waiter = copies.waiter
+    exchange = asyncio.create_task(client._exchange(copies))
     first = await asyncio.wait_for(sent.get(), 10)
     hedge = await asyncio.wait_for(sent.get(), 10)  # unanswered at the hedge delay: a copy elsewhere
     assert hedge != first
@@ -344,3 +363,117 @@ def test_policy_refuses_nonsense() -> None:
                 {"probe_s": 0}, {"min_delay_ms": math.nan}):
         with pytest.raises(ValueError):
             HedgePolicy(**bad)  # type: ignore[arg-type]
+
+
+def _request(rid: str, left_ms: int) -> Request:
+    created = now_ms()
+    return Request(id=rid, model="m", priority=Priority.P1, tenant="t", created_ms=created,
+                   deadline_ms=created + left_ms, inputs=("x",), reply=ReplyRoute(redis="c"))
+
+
+async def test_a_request_answered_before_its_hedge_costs_one_timer_and_no_task() -> None:
+    """The hot path: the caller hands its copy over itself and waits on the reply alone; the hedge's moment
+    and the deadline share one timer. Counted on the loop, not timed."""
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(min_samples=1))
+    client._hedger.observe("m", 100.0)
+    client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
+
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
+        return taken()
+
+    client._hand = hand  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    counts = {"call_at": 0, "create_task": 0}
+    call_at, create_task = loop.call_at, loop.create_task
+
+    def counted_call_at(*args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        counts["call_at"] += 1
+        return call_at(*args, **kwargs)
+
+    def counted_create_task(*args: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        counts["create_task"] += 1
+        return create_task(*args, **kwargs)
+
+    copies = InFlight(client, T, b"", _request("r1", 60_000), None)
+    copies.waiter.set_result(Result("r1", "m", Status.OK))  # answered as soon as it is sent
+    loop.call_at, loop.create_task = counted_call_at, counted_create_task  # type: ignore[method-assign]
+    try:
+        assert (await client._exchange(copies)).ok
+    finally:
+        loop.call_at, loop.create_task = call_at, create_task  # type: ignore[method-assign]
+    assert counts == {"call_at": 1, "create_task": 0}
+    await asyncio.sleep(0)  # the acknowledgement's callback
+    assert copies.accepted and client._waiting == {}
+    await client._producer.stop()
+    await client._redis.aclose()
+
+
+@pytest.mark.parametrize("taken_by_the_broker", [True, False])
+async def test_the_deadline_ends_the_wait_and_says_whether_the_broker_took_the_request(
+    taken_by_the_broker: bool,
+) -> None:
+    """A request the broker took and nobody answered, and one whose copy the producer never took (its
+    buffer full, the broker gone): both end at the deadline, told apart; the caller's task is not left
+    cancelled by the hand-over that was called off."""
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", reply_grace_ms=0,
+                    hedging=HedgePolicy(enabled=False))
+    client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
+    stuck = asyncio.Event()
+
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
+        if not taken_by_the_broker:
+            await stuck.wait()  # never set: the producer's buffer stays full
+        return taken()
+
+    client._hand = hand  # type: ignore[method-assign]
+    copies = InFlight(client, T, b"", _request("r1", 30), None)
+    with pytest.raises(DeadlineExceeded) as raised:
+        await client._exchange(copies)
+    assert raised.value.accepted is taken_by_the_broker and not raised.value.answered
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await asyncio.sleep(0)  # still runs: no cancellation is pending on the caller
+    await client._producer.stop()
+    await client._redis.aclose()
+
+
+async def test_a_caller_cancelled_while_handing_over_is_cancelled_not_timed_out() -> None:
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(enabled=False))
+    client._partitions = lambda topic: [0]  # type: ignore[method-assign]
+    handing = asyncio.Event()
+
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
+        handing.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    client._hand = hand  # type: ignore[method-assign]
+    copies = InFlight(client, T, b"", _request("r1", 60_000), None)
+    exchange = asyncio.create_task(client._exchange(copies))
+    await asyncio.wait_for(handing.wait(), 10)
+    exchange.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await exchange
+    assert copies._timer is None or copies._timer.cancelled()
+    await client._producer.stop()
+    await client._redis.aclose()
+
+
+async def test_a_copy_the_producer_refuses_at_once_is_the_answer() -> None:
+    from aiokafka.errors import KafkaTimeoutError
+
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(enabled=False))
+    client._partitions = lambda topic: [0]  # type: ignore[method-assign]
+
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
+        raise KafkaTimeoutError()
+
+    client._hand = hand  # type: ignore[method-assign]
+    with pytest.raises(Unavailable, match="publishing to infer.m.p1 failed"):
+        await client._exchange(InFlight(client, T, b"", _request("r1", 60_000), None))
+    await client._producer.stop()
+    await client._redis.aclose()
