@@ -138,8 +138,8 @@ class InFlight:
     """
 
     __slots__ = ("_client", "_deadline", "_delay", "_hedge_at", "_on", "_partitions", "_put_off", "_timer",
-                 "_wait", "accepted", "data", "expired", "handing", "headers", "refusal", "request", "sends", "sent",
-                 "topic", "waiter")
+                 "_wait", "accepted", "called_off", "data", "expired", "handing", "headers", "refusal", "request",
+                 "sends", "sent", "topic", "waiter")
 
     def __init__(self, client: Client, topic: str, data: bytes, request: Request,
                  headers: list[tuple[str, bytes]] | None) -> None:
@@ -160,6 +160,7 @@ class InFlight:
         self.accepted = False  # the broker took a copy
         self.expired = False  # the deadline passed unanswered
         self.handing: asyncio.Task[Any] | None = None  # the caller, while it hands the first copy over
+        self.called_off = False  # that hand-over was cancelled from here (the deadline, or answered meanwhile)
         self.refusal: BaseException | None = None  # the first copy the broker refused
 
     def hedge_with(self, partitions: list[int], delay: float | None) -> None:
@@ -183,7 +184,7 @@ class InFlight:
     def refused(self, error: BaseException) -> None:
         """A copy the producer would not take (or the broker refused)."""
         self.refusal = self.refusal or error
-        if not self.sends and not self.accepted and not self.waiter.done():
+        if not self.sends and self.handing is None and not self.accepted and not self.waiter.done():
             self.waiter.set_exception(self.refusal)  # a KinferError: raised to the caller as it is
 
     def ask_again(self) -> None:
@@ -241,7 +242,7 @@ class InFlight:
         if now >= self._deadline:
             self.expired = True
             if self.handing is not None:  # still handing the first copy over: the broker did not take it
-                self.handing.cancel()
+                self._call_off()
             else:
                 self.waiter.set_exception(TimeoutError())
             return
@@ -250,6 +251,8 @@ class InFlight:
             waited, self._wait = self._wait, self._delay  # a copy sent now sets the clock at the delay
             hedged = self._client._hedge(self.topic, self.request, self._partitions, self)
             if hedged:
+                if self.handing is not None and len(self.sent) == 2:  # the first copy is stuck in the producer
+                    self.waiter.add_done_callback(self._over_while_handing)
                 return  # the copy's ``sending`` set the clock
             if hedged is False:  # nowhere to go yet: look again, less often
                 self._client._hedger.nowhere += not self._put_off  # once a request
@@ -258,6 +261,17 @@ class InFlight:
             else:  # no more hedging for it; the deadline stands
                 self._hedge_at = None
         self._arm()
+
+    def _over_while_handing(self, waiter: asyncio.Future[Result]) -> None:
+        """Answered through a hedge (or failed) while the first copy is still stuck in the producer: the
+        caller stops handing it over and takes the answer."""
+        if self.handing is not None:
+            self._call_off()
+
+    def _call_off(self) -> None:
+        assert self.handing is not None
+        self.called_off = True
+        self.handing.cancel()
 
     def deadline_error(self) -> DeadlineExceeded:
         request = self.request
@@ -688,12 +702,17 @@ class Client:
         try:
             delivery = await self._hand(copies.topic, copies.data, copies.request, copies.headers, partition)
         except asyncio.CancelledError:
-            if copies.expired and task.uncancel() == 0:  # the deadline's, not the caller's
-                raise copies.deadline_error() from None
+            copies.handing = None
+            if copies.called_off and task.uncancel() == 0:  # called off by the request, not by the caller
+                if copies.expired:
+                    raise copies.deadline_error() from None
+                return  # answered meanwhile: the reply's future holds it
             raise
         except KafkaError as exc:
+            copies.handing = None  # first: a refusal fails the call only when no copy is left
             copies.refused(Unavailable(f"publishing to {copies.topic} failed: {exc}"))
         else:
+            copies.handing = None
             copies.track(delivery)
         finally:
             copies.handing = None

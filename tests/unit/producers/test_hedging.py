@@ -477,3 +477,44 @@ async def test_a_copy_the_producer_refuses_at_once_is_the_answer() -> None:
         await client._exchange(InFlight(client, T, b"", _request("r1", 60_000), None))
     await client._producer.stop()
     await client._redis.aclose()
+
+
+@pytest.mark.parametrize("hedge_answered", [True, False])
+async def test_a_first_copy_stuck_in_the_producer_neither_holds_a_hedges_answer_nor_fails_on_its_refusal(
+    hedge_answered: bool,
+) -> None:
+    """The first copy's partition has its producer buffer full (its leader gone): the hedge goes
+    elsewhere. Answered there, the caller has the answer at once; refused there, the call waits on
+    (the stuck copy may still be taken) and ends at the deadline, not taken."""
+    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", reply_grace_ms=0,
+                    hedging=HedgePolicy(min_samples=1, max_hedges=1))
+    client._hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
+    client._partitions = lambda topic: [0, 1]  # type: ignore[method-assign]
+    hedged = asyncio.Event()
+
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
+        if not hedged.is_set():
+            hedged.set()  # the first copy: from now on stuck
+            await asyncio.Event().wait()
+        delivery = asyncio.get_running_loop().create_future()
+        if hedge_answered:
+            delivery.set_result(None)
+        else:
+            delivery.set_exception(Unavailable("hedge refused"))
+        return delivery
+
+    client._hand = hand  # type: ignore[method-assign]
+    copies = InFlight(client, T, b"", _request("r1", 60_000 if hedge_answered else 300), None)
+    exchange = asyncio.create_task(client._exchange(copies))
+    while len(copies.sent) < 2:
+        await asyncio.sleep(0.005)
+    if hedge_answered:
+        copies.waiter.set_result(Result("r1", "m", Status.OK))
+        assert (await asyncio.wait_for(exchange, 10)).ok
+    else:
+        with pytest.raises(DeadlineExceeded) as raised:
+            await asyncio.wait_for(exchange, 10)
+        assert not raised.value.accepted and copies.refusal is not None
+    await client._producer.stop()
+    await client._redis.aclose()
