@@ -23,13 +23,16 @@ Each request ends as: ``ok`` within its deadline (the service level), ``refused`
 so before sending), ``expired``/``error`` (a worker answered with a refusal or a failure),
 ``unaccepted`` (the broker did not take it by the deadline) or ``timed_out`` (taken, no answer by the
 deadline). A timed-out request that no reply ever reached, by the end of the soak, is ``lost``:
-at-least-once was broken. **availability = ok / offered.** Per fault: what it was, when,
-how many requests sent until the next fault failed, its ``bound`` (``FAULT_BOUNDS``, scaled to the
-rate) and whether it stayed within it, and ``recovery_s``: from the fault to the end of its last bad
-second (over 1 % failed) before five seconds without one. ``availability_outside_faults``: the same
-ratio over the requests sent outside every fault's window (from the fault to 10 s after its
-recovery). ``projection``: a month at 200 requests/s with one fault of each kind a day, each costing
-the worst its kind cost here, and the time between at the availability outside faults.
+at-least-once was broken. **availability = ok / offered.** A fault touches the requests in flight
+when it strikes (sent up to one deadline before it) and those sent after it. Per fault: what it was,
+when, how many of the requests it touched failed (sent from one deadline before it until one deadline
+before the next; ``failed_in_flight`` of them were sent before it), its ``bound`` (``FAULT_BOUNDS``,
+scaled to the rate) and whether it stayed within it, and ``recovery_s``: from the fault to the end of
+its last bad second (over 1 % failed) before five seconds without one.
+``availability_outside_faults``: the same ratio over the requests sent outside every fault's window
+(from one deadline before the fault to 10 s after its recovery). ``projection``: a month at 200
+requests/s with one fault of each kind a day, each costing the worst its kind cost here, and the time
+between at the availability outside faults.
 
 ``variants`` runs the same soak (same seed, same faults) with a mechanism switched off, one after the
 other on fresh stacks: ``combined`` (no controllers of their own: each broker is a controller voter
@@ -350,11 +353,8 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
     latencies = [(c.done - c.t0) * 1000.0 for c in ok]
     counts = {k: sum(c.kind == k for c in calls) for k in KINDS}
     lost = [c.rid for c in calls if c.kind == "timed_out" and c.rid not in late]
-    for i, f in enumerate(faults):
-        until = faults[i + 1]["at_s"] if i + 1 < len(faults) else math.inf
-        failed = [c for c in calls if f["at_s"] <= c.sent < until and c.kind != "ok"]
-        f["failed"] = len(failed)
-        f["by_kind"] = dict(Counter(f"{c.kind}:{c.why}" if c.why else c.kind for c in failed).most_common())
+    before_s = config.deadline_ms / 1000.0  # a request sent this long before a fault is still in flight at it
+    charge(faults, [(c.sent, f"{c.kind}:{c.why}" if c.why else c.kind) for c in calls if c.kind != "ok"], before_s)
     seconds = int(config.minutes * 60.0) + 1
     timeline = {"offered": [0] * seconds, "failed": [0] * seconds}
     for c in calls:
@@ -366,8 +366,8 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         f["recovery_s"] = recovery_s(timeline["failed"], timeline["offered"], f["at_s"], until)
         f["bound"] = fault_bound(f["kind"], config.rate)
         f["within_bound"] = f["failed"] <= f["bound"]
-    between, outside = availability_outside(((c.sent, c.kind == "ok") for c in calls), faults)
-    windows = fault_windows(faults)
+    between, outside = availability_outside(((c.sent, c.kind == "ok") for c in calls), faults, before_s)
+    windows = fault_windows(faults, before_s)
     failed_outside = Counter(f"{c.kind}:{c.why}" if c.why else c.kind for c in calls
                              if c.kind != "ok" and not in_window(c.sent, windows))
     return {
@@ -411,24 +411,39 @@ DAY_S = 86_400.0
 MONTH_S = 30 * DAY_S
 
 
+def charge(faults: list[dict[str, Any]], failures: list[tuple[float, str]], before_s: float) -> None:
+    """Each fault's cost, set on it: the ``failures`` (seconds into the soak when sent, how it ended) among
+    the requests it touched, from ``before_s`` (a deadline: in flight when it struck) before it until as
+    long before the next fault; ``failed_in_flight`` of them were sent before it."""
+    for i, f in enumerate(faults):
+        until = faults[i + 1]["at_s"] - before_s if i + 1 < len(faults) else math.inf
+        failed = [(sent, kind) for sent, kind in failures if f["at_s"] - before_s <= sent < until]
+        f["failed"] = len(failed)
+        f["failed_in_flight"] = sum(sent < f["at_s"] for sent, _ in failed)
+        f["by_kind"] = dict(Counter(kind for _, kind in failed).most_common())
+
+
 def fault_bound(kind: str, rate: float) -> int:
     """The most requests a fault of ``kind`` may fail at ``rate`` requests/s."""
     return math.floor(FAULT_BOUNDS[kind] * rate / BOUND_RATE)
 
 
-def fault_windows(faults: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """Each fault's window, in seconds into the soak: from the fault to ``WINDOW_AFTER_S`` after its recovery."""
-    return [(f["at_s"], f["at_s"] + f["recovery_s"] + WINDOW_AFTER_S) for f in faults]
+def fault_windows(faults: list[dict[str, Any]], before_s: float = 0.0) -> list[tuple[float, float]]:
+    """Each fault's window, in seconds into the soak: from ``before_s`` before the fault (a request's
+    deadline: what was in flight when it struck) to ``WINDOW_AFTER_S`` after its recovery."""
+    return [(f["at_s"] - before_s, f["at_s"] + f["recovery_s"] + WINDOW_AFTER_S) for f in faults]
 
 
 def in_window(sent: float, windows: list[tuple[float, float]]) -> bool:
     return any(a <= sent < b for a, b in windows)
 
 
-def availability_outside(calls: Iterable[tuple[float, bool]], faults: list[dict[str, Any]]) -> tuple[float | None, int]:
+def availability_outside(calls: Iterable[tuple[float, bool]], faults: list[dict[str, Any]],
+                         before_s: float = 0.0) -> tuple[float | None, int]:
     """Of the requests (seconds into the soak when sent, answered ok) sent outside every fault's window
-    (from the fault to ``WINDOW_AFTER_S`` after its recovery): the fraction answered ok, and how many."""
-    windows = fault_windows(faults)
+    (from ``before_s`` before the fault to ``WINDOW_AFTER_S`` after its recovery): the fraction answered
+    ok, and how many."""
+    windows = fault_windows(faults, before_s)
     ok = offered = 0
     for sent, answered in calls:
         if not in_window(sent, windows):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from kinfer.ops.bench.chaos import (
     ChaosConfig,
     availability_outside,
     bench_chaos,
+    charge,
     fault_bound,
     projection,
     recovery_s,
@@ -76,12 +78,24 @@ def test_a_fault_s_bound_scales_with_the_rate() -> None:
     assert set(FAULT_BOUNDS) == set(FAULTS)
 
 
+def test_a_fault_is_charged_the_requests_in_flight_when_it_struck_and_those_sent_until_the_next() -> None:
+    faults: list[dict[str, Any]] = [{"at_s": 10.0}, {"at_s": 40.0}]
+    failures = [(8.5, "expired"), (9.2, "timed_out"), (12.0, "expired"), (38.9, "unaccepted"), (39.0, "expired"),
+                (41.0, "refused:deadline")]
+    charge(faults, failures, before_s=1.0)
+    assert [(f["failed"], f["failed_in_flight"]) for f in faults] == [(3, 1), (2, 1)]  # 8.5 s was over by 10 s
+    assert faults[0]["by_kind"] == {"timed_out": 1, "expired": 1, "unaccepted": 1}
+    assert faults[1]["by_kind"] == {"expired": 1, "refused:deadline": 1}
+
+
 def test_availability_outside_faults_leaves_out_each_window() -> None:
     faults = [{"at_s": 10.0, "recovery_s": 5}, {"at_s": 40.0, "recovery_s": 0}]
     # windows: [10, 25) and [40, 50); the failures inside them do not count, the one at 30 s does
     calls = [(5.0, True), (12.0, False), (24.9, False), (25.0, True), (30.0, False), (45.0, False), (50.0, True)]
     assert availability_outside(calls, faults) == (3 / 4, 4)
     assert availability_outside([(12.0, False)], faults) == (None, 0)
+    # a request in flight when a fault strikes (sent less than a deadline before it) is the fault's
+    assert availability_outside([(9.5, False), (8.9, True), (39.0, False)], faults, before_s=1.0) == (1 / 1, 1)
 
 
 def test_the_projection_charges_each_kind_its_worst_cost_once_a_day() -> None:
