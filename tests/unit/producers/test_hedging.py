@@ -473,7 +473,7 @@ async def test_a_copy_the_producer_refuses_at_once_is_the_answer() -> None:
         raise KafkaTimeoutError()
 
     client._hand = hand  # type: ignore[method-assign]
-    with pytest.raises(Unavailable, match="publishing to infer.m.p1 failed"):
+    with pytest.raises(Unavailable, match=r"publishing to infer\.m\.p1 failed"):
         await client._exchange(InFlight(client, T, b"", _request("r1", 60_000), None))
     await client._producer.stop()
     await client._redis.aclose()
@@ -490,13 +490,14 @@ async def test_a_first_copy_stuck_in_the_producer_neither_holds_a_hedges_answer_
                     hedging=HedgePolicy(min_samples=1, max_hedges=1))
     client._hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
     client._partitions = lambda topic: [0, 1]  # type: ignore[method-assign]
-    hedged = asyncio.Event()
+    stuck, hedged = asyncio.Event(), asyncio.Event()
 
     async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
                    ) -> asyncio.Future[None]:
-        if not hedged.is_set():
-            hedged.set()  # the first copy: from now on stuck
+        if not stuck.is_set():
+            stuck.set()  # the first copy: from now on stuck
             await asyncio.Event().wait()
+        hedged.set()
         delivery = asyncio.get_running_loop().create_future()
         if hedge_answered:
             delivery.set_result(None)
@@ -507,8 +508,7 @@ async def test_a_first_copy_stuck_in_the_producer_neither_holds_a_hedges_answer_
     client._hand = hand  # type: ignore[method-assign]
     copies = InFlight(client, T, b"", _request("r1", 60_000 if hedge_answered else 300), None)
     exchange = asyncio.create_task(client._exchange(copies))
-    while len(copies.sent) < 2:
-        await asyncio.sleep(0.005)
+    await asyncio.wait_for(hedged.wait(), 10)
     if hedge_answered:
         copies.waiter.set_result(Result("r1", "m", Status.OK))
         assert (await asyncio.wait_for(exchange, 10)).ok
