@@ -122,6 +122,10 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+def _unavailable(topic: str, error: KafkaError) -> Unavailable:
+    return Unavailable(f"publishing to {topic} failed: {error}")
+
+
 class InFlight:
     """One request in flight: its copies on the broker and its one timer, driven by callbacks
     (``Client._exchange``).
@@ -137,15 +141,15 @@ class InFlight:
     partition turning suspect hurries it.
     """
 
-    __slots__ = ("_client", "_deadline", "_delay", "_hedge_at", "_on", "_partitions", "_put_off", "_timer",
-                 "_wait", "accepted", "called_off", "data", "expired", "handing", "headers", "refusal", "request",
-                 "sends", "sent", "topic", "waiter")
+    __slots__ = ("_client", "_deadline", "_delay", "_hedge_at", "_loop", "_on", "_partitions", "_put_off",
+                 "_timer", "_wait", "accepted", "called_off", "data", "expired", "handing", "headers", "refusal",
+                 "request", "sends", "sent", "topic", "waiter")
 
     def __init__(self, client: Client, topic: str, data: bytes, request: Request,
                  headers: list[tuple[str, bytes]] | None) -> None:
         self._client, self.topic, self.data, self.request, self.headers = client, topic, data, request, headers
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.time() + max(0.0, client._remaining_s(request))  # on the loop's clock
+        self._loop = asyncio.get_running_loop()
+        self._deadline = self._loop.time() + max(0.0, client._remaining_s(request))  # on the loop's clock
         self._partitions: list[int] | None = None
         self._delay: float | None = None  # the hedge delay (None: not hedged)
         self._wait: float | None = None  # until the next look for a hedge (doubles while put off)
@@ -171,7 +175,7 @@ class InFlight:
         """One more copy goes to ``partition`` now: the clock set for its hedge (and the deadline)."""
         self.sent.append((partition, now))
         if self._wait is not None:
-            self._hedge_at = asyncio.get_running_loop().time() + self._wait
+            self._hedge_at = self._loop.time() + self._wait
             if partition is not None:
                 self._list((self.topic, partition))
         self._arm()
@@ -183,6 +187,8 @@ class InFlight:
 
     def refused(self, error: BaseException) -> None:
         """A copy the producer would not take (or the broker refused)."""
+        if isinstance(error, KafkaError):
+            error = _unavailable(self.topic, error)
         self.refusal = self.refusal or error
         if not self.sends and self.handing is None and not self.accepted and not self.waiter.done():
             self.waiter.set_exception(self.refusal)  # a KinferError: raised to the caller as it is
@@ -210,15 +216,14 @@ class InFlight:
         """Its partition was found stalled by another request: look for a hedge now, not at the delay."""
         if self._timer is not None and self._wait is not None and not self.waiter.done():
             self._timer.cancel()
-            loop = asyncio.get_running_loop()
-            self._hedge_at = loop.time()
-            self._timer = loop.call_soon(self._due)
+            self._hedge_at = self._loop.time()
+            self._timer = self._loop.call_soon(self._due)
 
     def _arm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
         at = self._deadline if self._hedge_at is None else min(self._hedge_at, self._deadline)
-        self._timer = asyncio.get_running_loop().call_at(at, self._due)
+        self._timer = self._loop.call_at(at, self._due)
 
     def _done(self, delivery: asyncio.Future[Any]) -> None:
         self.sends.discard(delivery)
@@ -227,8 +232,6 @@ class InFlight:
         error = delivery.exception()
         if error is None:
             self.accepted = True
-        elif isinstance(error, KafkaError):
-            self.refused(Unavailable(f"publishing to {self.topic} failed: {error}"))
         else:
             self.refused(error)
 
@@ -238,7 +241,7 @@ class InFlight:
         self._timer = None
         if self.waiter.done():
             return
-        now = asyncio.get_running_loop().time()
+        now = self._loop.time()
         if now >= self._deadline:
             self.expired = True
             if self.handing is not None:  # still handing the first copy over: the broker did not take it
@@ -702,7 +705,6 @@ class Client:
         try:
             delivery = await self._hand(copies.topic, copies.data, copies.request, copies.headers, partition)
         except asyncio.CancelledError:
-            copies.handing = None
             if copies.called_off and task.uncancel() == 0:  # called off by the request, not by the caller
                 if copies.expired:
                     raise copies.deadline_error() from None
@@ -710,12 +712,11 @@ class Client:
             raise
         except KafkaError as exc:
             copies.handing = None  # first: a refusal fails the call only when no copy is left
-            copies.refused(Unavailable(f"publishing to {copies.topic} failed: {exc}"))
-        else:
-            copies.handing = None
-            copies.track(delivery)
+            copies.refused(exc)
+            return
         finally:
             copies.handing = None
+        copies.track(delivery)
 
     def _hedge(self, topic: str, request: Request, partitions: list[int], copies: InFlight) -> bool | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
@@ -784,7 +785,7 @@ class Client:
         try:
             await (await self._hand(topic, data, request, headers, partition))
         except KafkaError as exc:
-            raise Unavailable(f"publishing to {topic} failed: {exc}") from exc
+            raise _unavailable(topic, exc) from exc
 
     async def _publish(self, topic: str, data: bytes, request: Request,
                        headers: list[tuple[str, bytes]] | None) -> None:

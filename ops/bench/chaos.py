@@ -145,6 +145,11 @@ class _Call:
     why: str = ""  # refused: admission's cause; error: the error's type
     wrong: bool = False
 
+    @property
+    def outcome(self) -> str:
+        """How it ended, with the cause where there is one ("refused:deadline", "expired")."""
+        return f"{self.kind}:{self.why}" if self.why else self.kind
+
 
 @dataclass
 class _Proc:
@@ -354,7 +359,7 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
     counts = {k: sum(c.kind == k for c in calls) for k in KINDS}
     lost = [c.rid for c in calls if c.kind == "timed_out" and c.rid not in late]
     before_s = config.deadline_ms / 1000.0  # a request sent this long before a fault is still in flight at it
-    charge(faults, [(c.sent, f"{c.kind}:{c.why}" if c.why else c.kind) for c in calls if c.kind != "ok"], before_s)
+    charge(faults, [(c.sent, c.outcome) for c in calls if c.kind != "ok"], before_s)
     seconds = int(config.minutes * 60.0) + 1
     timeline = {"offered": [0] * seconds, "failed": [0] * seconds}
     for c in calls:
@@ -368,8 +373,7 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         f["within_bound"] = f["failed"] <= f["bound"]
     between, outside = availability_outside(((c.sent, c.kind == "ok") for c in calls), faults, before_s)
     windows = fault_windows(faults, before_s)
-    failed_outside = Counter(f"{c.kind}:{c.why}" if c.why else c.kind for c in calls
-                             if c.kind != "ok" and not in_window(c.sent, windows))
+    failed_outside = Counter(c.outcome for c in calls if c.kind != "ok" and not in_window(c.sent, windows))
     return {
         "kind": "chaos",
         "availability": round(counts["ok"] / offered, 6) if offered else None,
@@ -379,7 +383,7 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
         "projection": projection(faults, between, config.rate),
         "offered": offered,
         **counts,
-        "why": dict(Counter(f"{c.kind}:{c.why}" for c in calls if c.why).most_common()),
+        "why": dict(Counter(c.outcome for c in calls if c.why).most_common()),
         "lost": len(lost),
         "lost_ids": lost[:20],
         "duplicates_delivered": sum(c.wrong for c in calls),
@@ -428,7 +432,7 @@ def fault_bound(kind: str, rate: float) -> int:
     return math.floor(FAULT_BOUNDS[kind] * rate / BOUND_RATE)
 
 
-def fault_windows(faults: list[dict[str, Any]], before_s: float = 0.0) -> list[tuple[float, float]]:
+def fault_windows(faults: list[dict[str, Any]], before_s: float) -> list[tuple[float, float]]:
     """Each fault's window, in seconds into the soak: from ``before_s`` before the fault (a request's
     deadline: what was in flight when it struck) to ``WINDOW_AFTER_S`` after its recovery."""
     return [(f["at_s"] - before_s, f["at_s"] + f["recovery_s"] + WINDOW_AFTER_S) for f in faults]
@@ -439,7 +443,7 @@ def in_window(sent: float, windows: list[tuple[float, float]]) -> bool:
 
 
 def availability_outside(calls: Iterable[tuple[float, bool]], faults: list[dict[str, Any]],
-                         before_s: float = 0.0) -> tuple[float | None, int]:
+                         before_s: float) -> tuple[float | None, int]:
     """Of the requests (seconds into the soak when sent, answered ok) sent outside every fault's window
     (from ``before_s`` before the fault to ``WINDOW_AFTER_S`` after its recovery): the fraction answered
     ok, and how many."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -18,6 +19,22 @@ from kinfer.topics import DeadlineExceeded, Priority, Request, Result, Status, U
 from kinfer.topics.envelope import ReplyRoute
 
 T = "infer.m.p1"
+Offline = Callable[..., Client]
+
+
+@pytest.fixture
+async def offline() -> AsyncIterator[Offline]:
+    """Clients of tenant ``t`` that reach no broker nor Redis (each test fakes their sends), closed after it."""
+    made: list[Client] = []
+
+    def make(**options: Any) -> Client:
+        made.append(Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", **options))
+        return made[-1]
+
+    yield make
+    for client in made:
+        await client._producer.stop()
+        await client._redis.aclose()
 FAR = 10**13  # a deadline no test reaches
 
 
@@ -170,10 +187,10 @@ def test_a_hedge_goes_only_to_a_trusted_partition_and_leaves_the_probes_to_new_r
     assert sorted(board.pick(T, [0, 1, 2], 1.2) for _ in range(3)) == [0, 1, 2]  # the probes are still there
 
 
-async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
+async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped(offline: Offline) -> None:
     """Two partitions stopped, the third suspected for one slow batch: a request waiting on a stopped
     one is hedged to the third once it answers again, not left to its deadline."""
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(min_samples=1))
+    client = offline(hedging=HedgePolicy(min_samples=1))
     hedger = client._hedger
     hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
     for p in (0, 1, 2):
@@ -209,16 +226,13 @@ async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped() -> None:
     copies.waiter.set_result(Result("r1", "m", Status.OK))
     assert (await exchange).ok
     assert (hedger.nowhere, hedger.budget.spent) == (1, 1)
-    await client._producer.stop()
-    await client._redis.aclose()
 
 
-async def test_requests_waiting_on_a_partition_that_turns_suspect_are_hedged_at_once() -> None:
+async def test_requests_waiting_on_a_partition_that_turns_suspect_are_hedged_at_once(offline: Offline) -> None:
     """Four requests over three partitions, two of them on partition 0. The first one's hedge comes due
     (its deadline is near) and makes partition 0 suspect: the other request waiting there is hedged
     then, not at its own delay (here 100 s), and the requests on the other partitions are left alone."""
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t",
-                    hedging=HedgePolicy(min_samples=1, max_hedges=1))
+    client = offline(hedging=HedgePolicy(min_samples=1, max_hedges=1))
     client._hedger.observe("m", 100.0)  # the delay is the p99: 100 s, unless a deadline is nearer
     published: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
 
@@ -247,15 +261,12 @@ async def test_requests_waiting_on_a_partition_that_turns_suspect_are_hedged_at_
         waiter.set_result(Result(rid, "m", Status.OK))
     assert all(r.ok for r in await asyncio.gather(*exchanges))
     assert client._waiting == {}  # nothing is left listed once the requests are over
-    await client._producer.stop()
-    await client._redis.aclose()
 
 
-async def test_the_tail_leaves_the_reserve_to_requests_stranded_on_a_suspect_partition() -> None:
+async def test_the_tail_leaves_the_reserve_to_requests_stranded_on_a_suspect_partition(offline: Offline) -> None:
     """The bucket holds 2.5 hedges, 2 of them the reserve. A request slow on a partition that answers others
     (the tail) is not hedged; a request on a partition that answers nothing is, from the reserve."""
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t",
-                    hedging=HedgePolicy(min_samples=1, max_hedges=1, burst=4.0, reserve=0.5))
+    client = offline(hedging=HedgePolicy(min_samples=1, max_hedges=1, burst=4.0, reserve=0.5))
     hedger = client._hedger
     hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
     published: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
@@ -297,15 +308,13 @@ async def test_the_tail_leaves_the_reserve_to_requests_stranded_on_a_suspect_par
     for rid, waiter in waiters.items():
         waiter.set_result(Result(rid, "m", Status.OK))
     assert all(r.ok for r in await asyncio.gather(*exchanges))
-    await client._producer.stop()
-    await client._redis.aclose()
 
 
 @pytest.mark.parametrize("first_taken", [True, False])
-async def test_a_refused_copy_fails_the_call_only_when_no_copy_was_taken(first_taken: bool) -> None:
+async def test_a_refused_copy_fails_the_call_only_when_no_copy_was_taken(first_taken: bool, offline: Offline) -> None:
     """The first copy is still being handed to the broker when its hedge is refused: the call goes on,
     and once the first copy is taken the reply is the answer. With every copy refused, the first refusal is."""
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(min_samples=1))
+    client = offline(hedging=HedgePolicy(min_samples=1))
     client._hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
     outcomes: dict[int | None, asyncio.Future[None]] = {}
     sent = asyncio.Queue[int | None]()
@@ -338,8 +347,6 @@ async def test_a_refused_copy_fails_the_call_only_when_no_copy_was_taken(first_t
         outcomes[first].set_exception(Unavailable("first refused"))
         with pytest.raises(Unavailable, match="hedge refused"):  # the first refusal the client saw
             await exchange
-    await client._producer.stop()
-    await client._redis.aclose()
 
 
 @given(st.lists(st.tuples(st.sampled_from(["pick", "hedge", "answer"]), st.integers(0, 5),
@@ -371,10 +378,10 @@ def _request(rid: str, left_ms: int) -> Request:
                    deadline_ms=created + left_ms, inputs=("x",), reply=ReplyRoute(redis="c"))
 
 
-async def test_a_request_answered_before_its_hedge_costs_one_timer_and_no_task() -> None:
+async def test_a_request_answered_before_its_hedge_costs_one_timer_and_no_task(offline: Offline) -> None:
     """The hot path: the caller hands its copy over itself and waits on the reply alone; the hedge's moment
     and the deadline share one timer. Counted on the loop, not timed."""
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(min_samples=1))
+    client = offline(hedging=HedgePolicy(min_samples=1))
     client._hedger.observe("m", 100.0)
     client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
 
@@ -405,18 +412,15 @@ async def test_a_request_answered_before_its_hedge_costs_one_timer_and_no_task()
     assert counts == {"call_at": 1, "create_task": 0}
     await asyncio.sleep(0)  # the acknowledgement's callback
     assert copies.accepted and client._waiting == {}
-    await client._producer.stop()
-    await client._redis.aclose()
 
 
 @pytest.mark.parametrize("taken_by_the_broker", [True, False])
 async def test_the_deadline_ends_the_wait_and_says_whether_the_broker_took_the_request(
-    taken_by_the_broker: bool,
-) -> None:
+    taken_by_the_broker: bool, offline: Offline) -> None:
     """A request the broker took and nobody answered, and one whose copy the producer never took (its
     buffer full, the broker gone): both end at the deadline, told apart; the caller's task is not left
     cancelled by the hand-over that was called off."""
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", reply_grace_ms=0,
+    client = offline(reply_grace_ms=0,
                     hedging=HedgePolicy(enabled=False))
     client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
     stuck = asyncio.Event()
@@ -435,12 +439,10 @@ async def test_the_deadline_ends_the_wait_and_says_whether_the_broker_took_the_r
     task = asyncio.current_task()
     assert task is not None and task.cancelling() == 0
     await asyncio.sleep(0)  # still runs: no cancellation is pending on the caller
-    await client._producer.stop()
-    await client._redis.aclose()
 
 
-async def test_a_caller_cancelled_while_handing_over_is_cancelled_not_timed_out() -> None:
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(enabled=False))
+async def test_a_caller_cancelled_while_handing_over_is_cancelled_not_timed_out(offline: Offline) -> None:
+    client = offline(hedging=HedgePolicy(enabled=False))
     client._partitions = lambda topic: [0]  # type: ignore[method-assign]
     handing = asyncio.Event()
 
@@ -458,14 +460,12 @@ async def test_a_caller_cancelled_while_handing_over_is_cancelled_not_timed_out(
     with pytest.raises(asyncio.CancelledError):
         await exchange
     assert copies._timer is None or copies._timer.cancelled()
-    await client._producer.stop()
-    await client._redis.aclose()
 
 
-async def test_a_copy_the_producer_refuses_at_once_is_the_answer() -> None:
+async def test_a_copy_the_producer_refuses_at_once_is_the_answer(offline: Offline) -> None:
     from aiokafka.errors import KafkaTimeoutError
 
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", hedging=HedgePolicy(enabled=False))
+    client = offline(hedging=HedgePolicy(enabled=False))
     client._partitions = lambda topic: [0]  # type: ignore[method-assign]
 
     async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
@@ -475,18 +475,15 @@ async def test_a_copy_the_producer_refuses_at_once_is_the_answer() -> None:
     client._hand = hand  # type: ignore[method-assign]
     with pytest.raises(Unavailable, match=r"publishing to infer\.m\.p1 failed"):
         await client._exchange(InFlight(client, T, b"", _request("r1", 60_000), None))
-    await client._producer.stop()
-    await client._redis.aclose()
 
 
 @pytest.mark.parametrize("hedge_answered", [True, False])
 async def test_a_first_copy_stuck_in_the_producer_neither_holds_a_hedges_answer_nor_fails_on_its_refusal(
-    hedge_answered: bool,
-) -> None:
+    hedge_answered: bool, offline: Offline) -> None:
     """The first copy's partition has its producer buffer full (its leader gone): the hedge goes
     elsewhere. Answered there, the caller has the answer at once; refused there, the call waits on
     (the stuck copy may still be taken) and ends at the deadline, not taken."""
-    client = Client("127.0.0.1:1", "redis://127.0.0.1:1", tenant="t", reply_grace_ms=0,
+    client = offline(reply_grace_ms=0,
                     hedging=HedgePolicy(min_samples=1, max_hedges=1))
     client._hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
     client._partitions = lambda topic: [0, 1]  # type: ignore[method-assign]
@@ -516,5 +513,3 @@ async def test_a_first_copy_stuck_in_the_producer_neither_holds_a_hedges_answer_
         with pytest.raises(DeadlineExceeded) as raised:
             await asyncio.wait_for(exchange, 10)
         assert not raised.value.accepted and copies.refusal is not None
-    await client._producer.stop()
-    await client._redis.aclose()

@@ -92,8 +92,8 @@ def test_availability_outside_faults_leaves_out_each_window() -> None:
     faults = [{"at_s": 10.0, "recovery_s": 5}, {"at_s": 40.0, "recovery_s": 0}]
     # windows: [10, 25) and [40, 50); the failures inside them do not count, the one at 30 s does
     calls = [(5.0, True), (12.0, False), (24.9, False), (25.0, True), (30.0, False), (45.0, False), (50.0, True)]
-    assert availability_outside(calls, faults) == (3 / 4, 4)
-    assert availability_outside([(12.0, False)], faults) == (None, 0)
+    assert availability_outside(calls, faults, before_s=0.0) == (3 / 4, 4)
+    assert availability_outside([(12.0, False)], faults, before_s=0.0) == (None, 0)
     # a request in flight when a fault strikes (sent less than a deadline before it) is the fault's
     assert availability_outside([(9.5, False), (8.9, True), (39.0, False)], faults, before_s=1.0) == (1 / 1, 1)
 
