@@ -676,7 +676,7 @@ class Client:
         partitions = self._partitions(topic)
         sent_at = time.monotonic()
         first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
-        hedger.sent_one()
+        hedger.sent_one(sent_at)
         # Background work waits for idle capacity by design: a copy would only wait as well.
         if partitions and len(partitions) > 1 and not request.priority.background:
             copies.hedge_with(partitions, hedger.delay_s(request.model, (request.deadline_ms - now_ms()) / 1000.0))
@@ -738,7 +738,7 @@ class Client:
             return False
         # A request stranded on a suspect partition may spend the whole bucket; one that is only slow where
         # others are answered (the tail), only what is above the reserve kept for the stranded.
-        keep = 0.0 if hedger.board.suspect(topic, last) else hedger.policy.reserve * hedger.policy.burst
+        keep = 0.0 if hedger.board.suspect(topic, last) else hedger.policy.reserve * hedger.budget.burst
         if not hedger.budget.spend(keep):
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None

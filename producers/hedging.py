@@ -47,7 +47,8 @@ class HedgePolicy:
 
     enabled: bool = True
     budget: float = 0.02  # hedges earned per request sent: at most this fraction, over time
-    burst: float = 50.0  # hedges that may be spent at once (a partition dying strands a burst)
+    burst: float = 50.0  # hedges that may be spent at once (a partition dying strands a burst)...
+    burst_s: float = 1.0  # ...or this many seconds of the client's own requests, whichever is more
     reserve: float = 0.5  # of the burst: spent only on requests stranded on a suspect partition
     # Hedge a request unanswered at this quantile of recent latencies: about 1 - quantile of requests
     # would be hedged in calm weather, which must leave most of the budget for a partition that dies.
@@ -66,6 +67,8 @@ class HedgePolicy:
             raise ValueError(f"reserve must be within [0, 1), got {self.reserve}")
         if not 0.0 < self.quantile < 1.0:
             raise ValueError(f"quantile must be within (0, 1), got {self.quantile}")
+        if not (math.isfinite(self.burst_s) and self.burst_s >= 0):
+            raise ValueError(f"burst_s must be a finite number >= 0, got {self.burst_s}")
         if self.burst < 1.0 or self.min_samples < 1 or self.window < self.min_samples or self.max_hedges < 1:
             raise ValueError("need burst >= 1, max_hedges >= 1 and 1 <= min_samples <= window")
         if not (math.isfinite(self.min_delay_ms) and self.min_delay_ms >= 0 and math.isfinite(self.probe_s)
@@ -100,16 +103,38 @@ class LatencyWindow:
 
 
 class HedgeBudget:
-    """A token bucket: each request sent earns ``rate`` of a hedge, up to ``burst``; a hedge spends one."""
+    """A token bucket: each request sent earns ``rate`` of a hedge, up to the bucket's size; a hedge spends one.
 
-    def __init__(self, rate: float, burst: float) -> None:
+    The size is ``burst``, or ``burst_s`` seconds of the requests being sent if that is more (the send
+    rate measured over windows of ``RATE_WINDOW_S``, when ``earn`` is told the time): a partition that
+    dies strands its share of everything sent until the client notices, so a bucket sized for a slow
+    client left most of a busy one's stranded requests unpaid (at 200 requests/s, a broker's death
+    stranded a few hundred on its partitions; 50 were paid). The fraction earned per request, which
+    bounds the extra work over time, does not change.
+    """
+
+    RATE_WINDOW_S = 1.0
+
+    def __init__(self, rate: float, burst: float, burst_s: float = 0.0) -> None:
         self.rate = rate
-        self.burst = burst
+        self.floor = burst
+        self.burst = burst  # the bucket's size now
+        self.burst_s = burst_s
         self.tokens = burst
         self.spent = 0
         self.refused = 0  # hedges wanted and not paid for
+        self._counted = 0  # requests sent since ``_since``
+        self._since: float | None = None
 
-    def earn(self) -> None:
+    def earn(self, now: float | None = None) -> None:
+        """One request sent (at ``now``, on a monotonic clock: it sizes the bucket by the send rate)."""
+        if now is not None and self.burst_s > 0:
+            self._counted += 1
+            if self._since is None:
+                self._since = now
+            elif now - self._since >= self.RATE_WINDOW_S:
+                self.burst = max(self.floor, self.burst_s * self._counted / (now - self._since))
+                self._counted, self._since = 0, now
         self.tokens = min(self.burst, self.tokens + self.rate)
 
     def spend(self, keep: float = 0.0) -> bool:
@@ -209,15 +234,16 @@ class Hedger:
 
     def __init__(self, policy: HedgePolicy) -> None:
         self.policy = policy
-        self.budget = HedgeBudget(policy.budget, policy.burst)
+        self.budget = HedgeBudget(policy.budget, policy.burst, policy.burst_s)
         self.board = PartitionBoard(policy.probe_s)
         self._latency: dict[str, LatencyWindow] = {}
         self.sent = 0  # requests sent (first copies)
         self.nowhere = 0  # requests whose hedge was put off: every other partition was suspect too
 
-    def sent_one(self) -> None:
+    def sent_one(self, now: float | None = None) -> None:
+        """A request's first copy sent (at ``now``, monotonic)."""
         self.sent += 1
-        self.budget.earn()
+        self.budget.earn(now)
 
     def delay_s(self, model: str, left_s: float = math.inf) -> float | None:
         """How long to wait before hedging a request to ``model`` that has ``left_s`` until its deadline

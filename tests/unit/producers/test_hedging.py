@@ -65,12 +65,46 @@ def test_budget_earns_a_fraction_per_request_and_caps_at_the_burst() -> None:
     assert budget.spent == 4 and budget.refused == 2
 
 
-@given(st.lists(st.sampled_from(["send", "hedge"]), max_size=3_000))
-def test_hedges_never_exceed_the_budget(steps: list[str]) -> None:
-    hedger = Hedger(HedgePolicy(budget=0.02, burst=5))
-    for step in steps:
+def test_the_bucket_holds_a_second_of_a_busy_clients_requests() -> None:
+    """At 200 requests/s the bucket grows to 200 hedges (a broker's death strands about that many), and
+    fills at the same 0.02 a request; at 1 request/s it stays at its floor; when the rate falls, so does
+    the bucket, and what it held above its new size is gone."""
+    budget = HedgeBudget(rate=0.02, burst=50, burst_s=1.0)
+    now = 0.0
+    for _ in range(200 * 60):  # a minute at 200/s: 240 hedges earned, the bucket full
+        now += 1 / 200
+        budget.earn(now)
+    assert budget.burst == pytest.approx(200, rel=0.01) and budget.tokens == budget.burst
+    assert sum(budget.spend() for _ in range(250)) == int(budget.burst)
+    for _ in range(1000):  # then 1/s: the size measured over each window falls to the floor
+        now += 1.0
+        budget.earn(now)
+    assert budget.burst == 50 and budget.tokens <= 50
+
+
+def test_without_the_time_the_bucket_keeps_its_floor() -> None:
+    budget = HedgeBudget(rate=0.02, burst=5, burst_s=1.0)
+    for _ in range(10_000):
+        budget.earn()
+    assert budget.burst == 5 and budget.tokens == 5
+
+
+@pytest.mark.parametrize("burst_s", [-1.0, math.nan, math.inf])
+def test_a_burst_in_seconds_must_be_a_finite_duration(burst_s: float) -> None:
+    with pytest.raises(ValueError, match="burst_s"):
+        HedgePolicy(burst_s=burst_s)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["send", "hedge"]), st.floats(0, 0.5)), max_size=3_000))
+def test_hedges_never_exceed_the_budget(steps: list[tuple[str, float]]) -> None:
+    """However the bucket's size follows the send rate, hedges over time are paid from what requests
+    earned: at most the floor plus 0.02 a request."""
+    hedger = Hedger(HedgePolicy(budget=0.02, burst=5, burst_s=2.0))
+    now = 0.0
+    for step, gap in steps:
+        now += gap
         if step == "send":
-            hedger.sent_one()
+            hedger.sent_one(now)
         else:
             hedger.budget.spend()
     assert hedger.budget.spent <= 5 + 0.02 * hedger.sent + 1e-9
