@@ -90,6 +90,11 @@ class LagMonitor:
     redis_url: str
     models: list[str] | None = None  # None: every model with request topics
     interval_s: float = 0.5
+    # A poll and its publishing that take longer than this are given up and started again. In a broker kill
+    # one poll hung 14 s (requests to a broker that just died wait for its partitions' new leaders, or
+    # longer), and the state published before it, read mid-failover (a lag of 737; 23 at the next reading),
+    # stood meanwhile: producers refused everything by deadline for 7 s.
+    poll_timeout_s: float = 2.0
     policy: HealthPolicy = field(default_factory=HealthPolicy)
     name: str = "lagmon"  # the reader names its metrics carry (the autoscaler runs one of its own)
     states: dict[str, HealthState] = field(default_factory=dict)
@@ -190,16 +195,26 @@ class LagMonitor:
             await producer.start()
             async with offset_clients(self.bootstrap) as (admin, consumer):
                 while not stop.is_set():
-                    try:
-                        for state in await self.poll(admin, consumer, redis):
-                            await self._publish(state, producer, redis)
-                    except (KafkaError, RedisError, OSError) as exc:
-                        log.warning("lag poll failed, retrying: %s", exc)
+                    await self._poll_once(admin, consumer, producer, redis)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), self.interval_s)
         finally:
             await producer.stop()
             await redis.aclose()
+
+    async def _poll_once(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer,
+                         redis: aioredis.Redis) -> bool:
+        """One poll and the states it publishes, given up after ``poll_timeout_s``: True when it went through."""
+        try:
+            async with asyncio.timeout(self.poll_timeout_s):
+                for state in await self.poll(admin, consumer, redis):
+                    await self._publish(state, producer, redis)
+            return True
+        except (KafkaError, RedisError, OSError) as exc:
+            log.warning("lag poll failed, retrying: %s", exc)
+        except TimeoutError:
+            log.warning("lag poll took over %.1f s (a broker failing over?), reading again", self.poll_timeout_s)
+        return False
 
     def _tracked(self, models: list[str]) -> list[str]:
         """At most ``MAX_MODELS`` of ``models``; what was tracked of any other is forgotten."""

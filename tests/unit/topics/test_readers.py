@@ -311,6 +311,30 @@ def test_the_lag_monitor_tracks_at_most_its_models_and_forgets_their_series(monk
     assert REGISTRY.get_sample_value("kinfer_lag_records", {"model": "cap-a"}) == 0
 
 
+async def test_a_poll_that_hangs_is_given_up_and_the_next_one_publishes() -> None:
+    """A request to a broker that just died can hang for as long as the failover lasts, or longer; the
+    state published before it would stand meanwhile. The hung poll is given up, and the next one reads
+    and publishes again."""
+    hang = asyncio.Event()  # never set
+    published: list[HealthState] = []
+
+    class Monitor(LagMonitor):
+        polls = 0
+
+        async def poll(self, admin: Any, consumer: Any, redis: Any = None) -> list[HealthState]:
+            Monitor.polls += 1
+            if Monitor.polls == 1:
+                await hang.wait()
+            return [state()]
+
+        async def _publish(self, st: HealthState, producer: Any, redis: Any) -> None:
+            published.append(st)
+
+    monitor = Monitor("unused:9092", "redis://unused", poll_timeout_s=0.05)
+    outcomes = [await monitor._poll_once(None, None, None, None) for _ in range(2)]  # type: ignore[arg-type]
+    assert outcomes == [False, True] and published == [state()]
+
+
 def test_the_published_state_is_within_the_ranges_its_readers_hold_it_to() -> None:
     h = HealthEstimator()
     h.observe(0.0, 10, 10, 0)
