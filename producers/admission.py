@@ -81,6 +81,19 @@ def expected_wait_ms(
     return max(1000.0 * queued / left, health.predicted_wait_ms - 1000.0 * elapsed_s)
 
 
+def wait_with_sends(health: HealthState, priority: Priority, sent: SendLog, now_ms: int,
+                    answered_rps: float = 0.0) -> float:
+    """``expected_wait_ms`` with this producer's own traffic read from its ``SendLog``: what it sent since
+    the state was measured (within ``MAX_EXTRAPOLATION_S``: a state that old stays what it said until it is
+    stale, never a queue growing by every send), and its own rate over the two seconds that ended when the
+    state was measured, the window the monitor's arrival rate saw. A rate taken now falls as this producer
+    refuses; its own refused traffic then counted as other producers' arrivals, so every refusal made
+    the next one likelier (in a broker kill, a state read mid-failover went from 3.0 to 4.7 s of predicted
+    wait while its producer refused everything)."""
+    sends = sent.since(health.updated_ms, health.updated_ms + int(1000 * MAX_EXTRAPOLATION_S))
+    return expected_wait_ms(health, priority, sends, now_ms, sent.rate(health.updated_ms), answered_rps)
+
+
 class SendLog:
     """When this producer enqueued its recent requests to one model (wall ms, ascending)."""
 

@@ -32,13 +32,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from kinfer.producers import metrics
-from kinfer.producers.admission import (
-    MAX_EXTRAPOLATION_S,
-    AdaptiveThrottle,
-    SendLog,
-    expected_wait_ms,
-    health_decision,
-)
+from kinfer.producers.admission import AdaptiveThrottle, SendLog, health_decision, wait_with_sends
 from kinfer.producers.health import HealthWatch
 from kinfer.producers.hedging import HedgePolicy, Hedger
 from kinfer.producers.replies import ReplyMux
@@ -638,12 +632,9 @@ class Client:
         now = now_ms()
         wait = None
         if health is not None:
-            # Brought forward at most MAX_EXTRAPOLATION_S, this producer's sends too: a state that old
-            # (its monitor down or stalled) stays what it said until it is stale, never a growing queue.
-            sends = sent.since(health.updated_ms, health.updated_ms + int(1000 * MAX_EXTRAPOLATION_S))
             answered = self._answered.get(request.model)
-            wait = expected_wait_ms(health, request.priority, sends, now, sent.rate(now),
-                                    answered.rate(now) if answered is not None else 0.0)
+            wait = wait_with_sends(health, request.priority, sent, now,
+                                   answered.rate(now) if answered is not None else 0.0)
         decision = health_decision(health, request.priority, request.deadline_ms - now,
                                    service_ms=self._service_ms.get(request.model), wait_ms=wait)
         if decision.admit and request.priority > Priority.P0:  # interactive work is never throttled locally

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kinfer.producers.admission import MAX_EXTRAPOLATION_S, AdaptiveThrottle, SendLog, expected_wait_ms, health_decision
+from kinfer.producers.admission import (
+    MAX_EXTRAPOLATION_S,
+    AdaptiveThrottle,
+    SendLog,
+    expected_wait_ms,
+    health_decision,
+    wait_with_sends,
+)
 from kinfer.topics import Priority
 from kinfer.topics.health import HealthState, Level
 
@@ -164,3 +171,24 @@ def test_answers_this_producer_sees_are_a_floor_under_the_drain_rate() -> None:
     seen = expected_wait_ms(stale, Priority.P1, 200, 11_000, own_rps=200.0, answered_rps=200.0)
     assert blind > 10_000.0 and seen < 50.0
     assert expected_wait_ms(stale, Priority.P1, 200, 11_000, answered_rps=5_000.0) == pytest.approx(0.0)
+
+
+def test_a_producer_that_refuses_does_not_count_its_own_refused_traffic_as_other_producers() -> None:
+    """The monitor's arrival rate was this producer's own 200/s. Refusing everything on a state read
+    mid-failover, it sends nothing more: its wait must hold (its rate is taken over the window the state
+    saw), not grow as if 200/s came from others (the rate taken now falls to 0 as it refuses)."""
+    sent = SendLog()
+    for t in range(5_000, 10_000, 5):  # 200/s until the state was measured, nothing after
+        sent.record(t)
+    failover = HealthState("m", Level.DEGRADED, 3157.0, 1000, 737, 193.0, 191.0, 10_000, capacity_rps=227.0)
+    held = [wait_with_sends(failover, Priority.P1, sent, now) for now in (11_000, 12_000, 13_000, 15_000)]
+    assert held[1] == held[2] == held[3] == pytest.approx(1000.0 * (737 - 227.0 * MAX_EXTRAPOLATION_S) / 227.0)
+    assert held[0] > held[1]  # a second in, the backlog has drained for one second only
+    growing = expected_wait_ms(failover, Priority.P1, 0, 15_000, own_rps=sent.rate(15_000))
+    assert growing > held[3] + 1_500.0  # the rate now: 193/s of imagined arrivals for two seconds
+    # Its sends after the state count (within the extrapolation window), as before.
+    busy = SendLog()
+    for t in range(5_000, 12_000, 5):
+        busy.record(t)
+    assert wait_with_sends(failover, Priority.P1, busy, 12_000) == pytest.approx(
+        expected_wait_ms(failover, Priority.P1, busy.since(10_000, 12_000), 12_000, own_rps=busy.rate(10_000)))
