@@ -8,6 +8,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -207,6 +208,26 @@ async def test_sigkill_with_coalesced_commits_replays_but_loses_nothing(
     assert client.duplicate_replies >= 1
 
 
+def _state(pid: int) -> str:
+    """The process's command and its threads' states ("T": stopped), from /proc."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[-120:].decode(errors="replace")
+        states = sorted({Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                         for t in os.listdir(f"/proc/{pid}/task")})
+    except OSError as exc:
+        return f"pid {pid}: {exc}"
+    return f"pid {pid} ({command}): thread states {states}"
+
+
+def _stopped(pid: int, looks: int = 200) -> bool:
+    """Whether every thread of ``pid`` is stopped, looking up to ``looks`` times 10 ms apart."""
+    for _ in range(looks):
+        if _state(pid).endswith("thread states ['T']"):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 async def test_infer_returns_by_its_deadline_while_the_broker_is_stopped(
     stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
 ) -> None:
@@ -217,6 +238,8 @@ async def test_infer_returns_by_its_deadline_while_the_broker_is_stopped(
         await wait_until_served(client, topics)
         os.kill(stack.kafka_pid, signal.SIGSTOP)  # the broker takes connections and answers nothing
         try:
+            # Every thread of the broker stopped before a request goes out (and the pid is the broker's).
+            assert await asyncio.to_thread(_stopped, stack.kafka_pid), _state(stack.kafka_pid)
             calls = [client.infer(topics, [f"r{i}"], deadline_ms=1_500) for i in range(20)]
             # Unbounded, these would wait for the producer's 40 s request timeout (or for SIGCONT).
             outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
