@@ -728,8 +728,10 @@ class Client:
         if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
             return False
         # A request stranded on a suspect partition may spend the whole bucket; one that is only slow where
-        # others are answered (the tail), only what is above the reserve kept for the stranded.
-        keep = 0.0 if hedger.board.suspect(topic, last) else hedger.policy.reserve * hedger.budget.burst
+        # others are answered (the tail), only the top of it: the bucket's floor less the reserve kept for
+        # the stranded. What the bucket holds beyond its floor (a busy client's second of traffic) is for
+        # the stranded alone: spent on the tail, an overload's slow answers drew thousands of hedges at once.
+        keep = 0.0 if hedger.board.suspect(topic, last) else hedger.budget.burst - hedger.policy.tail_burst
         if not hedger.budget.spend(keep):
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None

@@ -75,6 +75,12 @@ class HedgePolicy:
                 and self.probe_s > 0 and math.isfinite(self.median_cap) and self.median_cap >= 1):
             raise ValueError("min_delay_ms must be >= 0, probe_s > 0 and median_cap >= 1")
 
+    @property
+    def tail_burst(self) -> float:
+        """Hedges a slow answer may spend at once: the floor's share above the reserve (all the rest of the
+        bucket, however large it grows, is kept for requests stranded on a suspect partition)."""
+        return (1.0 - self.reserve) * self.burst
+
 
 class LatencyWindow:
     """A model's last ``size`` answer latencies, and their quantile (kept sorted: O(log n) a sample)."""

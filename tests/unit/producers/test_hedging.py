@@ -547,3 +547,17 @@ async def test_a_first_copy_stuck_in_the_producer_neither_holds_a_hedges_answer_
         with pytest.raises(DeadlineExceeded) as raised:
             await asyncio.wait_for(exchange, 10)
         assert not raised.value.accepted and copies.refusal is not None
+
+
+def test_a_grown_bucket_is_for_the_stranded_the_tail_spends_only_the_floors_top() -> None:
+    """What a busy client's bucket holds beyond its floor pays only for requests stranded on a suspect
+    partition: a slow answer elsewhere (an overload's tail) may spend what it could from the floor alone."""
+    policy = HedgePolicy(budget=0.02, burst=50, burst_s=1.0)
+    budget = HedgeBudget(policy.budget, policy.burst, policy.burst_s)
+    now = 0.0
+    for _ in range(200 * 60):
+        now += 1 / 200
+        budget.earn(now)
+    keep_for_stranded = budget.burst - policy.tail_burst  # as Client._hedge keeps for a slow answer
+    assert sum(budget.spend(keep_for_stranded) for _ in range(1_000)) == int(policy.tail_burst) == 25
+    assert sum(budget.spend() for _ in range(1_000)) == int(budget.burst) - 25  # the stranded: the rest
