@@ -132,12 +132,13 @@ class InFlight:
     the answer. The first copy is handed to the producer by the caller itself (``Client._exchange``;
     no task); a hedge's copy by a task of its own, called off when the request ends. A hedgeable
     request is listed under the partition its last copy waits on (``Client._waiting``), so that the
-    partition turning suspect hurries it.
+    partition turning suspect hurries it. Each copy's delivery also tells the partition board that the
+    broker took (or dropped) a write there.
     """
 
-    __slots__ = ("_client", "_deadline", "_delay", "_hedge_at", "_loop", "_on", "_partitions", "_put_off",
-                 "_timer", "_wait", "accepted", "called_off", "data", "expired", "handing", "headers", "refusal",
-                 "request", "sends", "sent", "topic", "waiter")
+    __slots__ = ("_acked_at", "_client", "_deadline", "_delay", "_hedge_at", "_loop", "_on", "_partitions",
+                 "_put_off", "_timer", "_wait", "accepted", "called_off", "data", "expired", "handing", "headers",
+                 "refusal", "request", "sends", "sent", "topic", "waiter")
 
     def __init__(self, client: Client, topic: str, data: bytes, request: Request,
                  headers: list[tuple[str, bytes]] | None) -> None:
@@ -149,6 +150,7 @@ class InFlight:
         self._wait: float | None = None  # until the next look for a hedge (doubles while put off)
         self._hedge_at: float | None = None  # when that is, on the loop's clock
         self._put_off = False  # a hedge was due with nowhere better to go
+        self._acked_at: float | None = None  # when the broker last took a copy (the loop's clock)
         self._timer: asyncio.Handle | None = None
         self._on: tuple[str, int] | None = None  # where it is listed in the client's ``_waiting``
         self.waiter: asyncio.Future[Result] = client._replies.expect(
@@ -174,10 +176,13 @@ class InFlight:
                 self._list((self.topic, partition))
         self._arm()
 
-    def track(self, delivery: asyncio.Future[Any]) -> None:
-        """A copy handed over: its delivery, or the task still handing it over, told to ``_done``."""
+    def track(self, delivery: asyncio.Future[Any], partition: int | None) -> None:
+        """A copy handed over for ``partition``: its delivery, or the task still handing it over, told to
+        ``_done`` (and the partition board told it waits on the broker)."""
         self.sends.add(delivery)
-        delivery.add_done_callback(self._done)
+        if partition is not None:
+            self._client._hedger.board.handed(self.topic, partition, time.monotonic())
+        delivery.add_done_callback(partial(self._done, partition))
 
     def refused(self, error: BaseException) -> None:
         """A copy the producer would not take (or the broker refused)."""
@@ -219,13 +224,17 @@ class InFlight:
         at = self._deadline if self._hedge_at is None else min(self._hedge_at, self._deadline)
         self._timer = self._loop.call_at(at, self._due)
 
-    def _done(self, delivery: asyncio.Future[Any]) -> None:
+    def _done(self, partition: int | None, delivery: asyncio.Future[Any]) -> None:
         self.sends.discard(delivery)
+        error = None if delivery.cancelled() else delivery.exception()
+        if partition is not None:
+            self._client._hedger.board.acknowledged(self.topic, partition, time.monotonic(),
+                                                    error is None and not delivery.cancelled())
         if delivery.cancelled():
             return
-        error = delivery.exception()
         if error is None:
             self.accepted = True
+            self._acked_at = self._loop.time()
         else:
             self.refused(error)
 
@@ -245,6 +254,12 @@ class InFlight:
             return
         if self._hedge_at is not None and now >= self._hedge_at:
             assert self._delay is not None and self._wait is not None and self._partitions
+            if self._put_off and self._acked_at is not None and now < self._acked_at + self._delay:
+                # Put off while the broker held its copy, which it took since: the worker gets the hedge delay
+                # to answer it, as any copy does, before another is paid for.
+                self._hedge_at = self._acked_at + self._delay
+                self._arm()
+                return
             waited, self._wait = self._wait, self._delay  # a copy sent now sets the clock at the delay
             hedged = self._client._hedge(self.topic, self.request, self._partitions, self)
             if hedged:
@@ -707,7 +722,7 @@ class Client:
             return
         finally:
             copies.handing = None
-        copies.track(delivery)
+        copies.track(delivery, partition)
 
     def _hedge(self, topic: str, request: Request, partitions: list[int], copies: InFlight) -> bool | None:
         """The request's last copy went unanswered for the hedge delay: suspect its partition, and send
@@ -724,7 +739,8 @@ class Client:
                     other.hurry()
         if len(copies.sent) > hedger.policy.max_hedges:
             return None
-        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies.sent if p is not None])
+        target = hedger.board.trusted(topic, partitions, avoid=[p for p, _ in copies.sent if p is not None],
+                                      since=last_at)
         if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
             return False
         # A request stranded on a suspect partition may spend the whole bucket; one that is only slow where
@@ -737,7 +753,8 @@ class Client:
             return None
         metrics.HEDGES.labels(request.model).inc()
         copies.sending(target, now)
-        copies.track(self._in_background(self._deliver(topic, copies.data, request, copies.headers, target), None))
+        copies.track(self._in_background(self._deliver(topic, copies.data, request, copies.headers, target), None),
+                     target)
         return True
 
     def _send_again(self, topic: str, data: bytes, request: Request, headers: list[tuple[str, bytes]] | None) -> None:

@@ -17,15 +17,22 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
   others (a busy box's tail) may spend only what is above it. Without the reserve, calm weather's
   tail wanted about twice what the budget earns, the bucket sat empty, and when a worker stopped the
   requests it stranded found nothing to pay their hedges with. No hedge goes to a suspect
-  partition: when every other one has stopped too (the whole topic waits on a broker), a hedge would
-  only wait as well, and the budget is kept for when it can help. The request looks again later,
-  each time twice as long after: a partition suspected for one slow batch is trusted again at its
-  next answer, and the hedge goes there then.
+  partition, nor to one whose writes stall: when every other one has stopped too (the whole topic
+  waits on a broker), a hedge would only wait as well, and the budget is kept for when it can help.
+  The request is put off, unpaid, and looks again later, each time twice as long after: a partition
+  suspected for one slow batch is trusted again at its next answer, and one whose writes stalled at its
+  next acknowledgement, and the hedge goes there then. With ``acks=all``
+  a broker that dies or stalls holds up the writes of every partition it follows until it leaves the
+  in-sync set (half a second with kinfer's broker settings) and those it leads until they have new
+  leaders (seconds): hedges spent in the first were copies that waited as well, and left the bucket
+  empty for the requests stranded by the second.
 - **Avoidance** (``PartitionBoard``): a partition whose request had to be hedged, and that has
   answered nothing since that request was sent, is *suspect*: new requests go to the others, and the
   requests already waiting on it are hedged at once rather than each at its own delay (a dead owner
   strands all of them alike). A suspect partition gets one probe request every ``probe_s``; an answer
-  it gives clears it.
+  it gives clears it. Its writes *stall* when it has held our copies unacknowledged since before the
+  copy a hedge would replace was sent, and taken none since (the broker's acknowledgements are counted
+  per partition, ``handed``/``acknowledged``): a hedge's copy goes elsewhere, or waits.
 
 Evidence is per client and needs no other process: a dead lag monitor or a Redis outage does not
 blind it. The cost of a false suspicion (a slow batch, a GC pause) is a few hedges and a partition
@@ -158,6 +165,9 @@ class _Partition:
     last_answer: float = -math.inf  # when it last answered an unhedged request of ours
     suspect_since: float | None = None  # its request was hedged and it has answered nothing since
     probed: float = -math.inf  # when a suspect partition last got a request anyway
+    unacked: int = 0  # our copies handed to the producer for it that the broker has not acknowledged
+    unacked_since: float = -math.inf  # it has held some since (the last time it held none)
+    last_ack: float = -math.inf  # when the broker last acknowledged one
 
 
 class PartitionBoard:
@@ -173,7 +183,7 @@ class PartitionBoard:
         part = self._parts.get(key)
         if part is None:
             if len(self._parts) >= 65_536:  # topics come and go: forget the ones nothing is known of
-                self._parts = {k: p for k, p in self._parts.items() if p.suspect_since is not None}
+                self._parts = {k: p for k, p in self._parts.items() if p.suspect_since is not None or p.unacked}
             part = self._parts[key] = _Partition()
         return part
 
@@ -206,17 +216,46 @@ class PartitionBoard:
             return fallback
         return partitions[turn % n]
 
-    def trusted(self, topic: str, partitions: Sequence[int], avoid: Iterable[int] = ()) -> int | None:
-        """A partition for a hedge: round robin over the trusted ones not in ``avoid``; None when there is
-        none. Never a suspect one, and a suspect one's probe is left to a new request (a hedge looked for
-        and put off must not use it up: the probe is how a partition suspected wrongly is trusted again)."""
+    def trusted(self, topic: str, partitions: Sequence[int], avoid: Iterable[int] = (),
+                since: float = -math.inf) -> int | None:
+        """A partition for a hedge of a copy sent at ``since``: round robin over the trusted ones not in
+        ``avoid``; None when there is none. Never a suspect one, nor one whose writes are stalled since then
+        (a copy there would wait at the broker as long); and a suspect one's probe is left to a new request
+        (a hedge looked for and put off must not use it up: the probe is how a partition suspected wrongly
+        is trusted again)."""
         skip = set(avoid)
-        candidates = [p for p in partitions if p not in skip and not self.suspect(topic, p)]
+        candidates = [p for p in partitions
+                      if p not in skip and not self.suspect(topic, p) and self.writing(topic, p, since)]
         if not candidates:
             return None
         turn = self._turn.get(topic, 0)
         self._turn[topic] = turn + 1
         return candidates[turn % len(candidates)]
+
+    def writing(self, topic: str, partition: int, since: float) -> bool:
+        """Whether the broker takes our writes to ``partition``: it has not held a copy of ours
+        unacknowledged since before ``since`` without acknowledging one meanwhile. With ``acks=all`` a
+        broker that dies or stalls holds up the writes of every partition it follows, not only those it
+        leads, until it leaves the in-sync set: a copy sent to one of those then would wait as long as the
+        copy it hedges."""
+        part = self._parts.get((topic, partition))
+        return part is None or part.unacked == 0 or max(part.last_ack, part.unacked_since) >= since
+
+    def handed(self, topic: str, partition: int, now: float) -> None:
+        """A copy for ``partition`` is with the producer: acknowledged (or given up on) later, exactly once."""
+        part = self._get(topic, partition)
+        if not part.unacked:
+            part.unacked_since = now
+        part.unacked += 1
+
+    def acknowledged(self, topic: str, partition: int, now: float, taken: bool) -> None:
+        """The broker answered a copy handed over for ``partition`` (``taken``: it took it; else it refused
+        it, or the copy was called off)."""
+        part = self._parts.get((topic, partition))
+        if part is not None:
+            part.unacked = max(0, part.unacked - 1)
+            if taken:
+                part.last_ack = now
 
     def answered(self, topic: str, partition: int, now: float) -> None:
         """An unhedged request on ``partition`` was answered: it works."""

@@ -221,6 +221,137 @@ def test_a_hedge_goes_only_to_a_trusted_partition_and_leaves_the_probes_to_new_r
     assert sorted(board.pick(T, [0, 1, 2], 1.2) for _ in range(3)) == [0, 1, 2]  # the probes are still there
 
 
+def test_a_partition_whose_writes_stall_gets_no_hedge_until_the_broker_takes_one_again() -> None:
+    """With acks=all a dead follower holds up the writes of every partition it follows: a hedge sent to
+    one that has held our copies since before the hedged copy, and taken none since, would wait as long.
+    A copy handed to a partition that held none is fresh, not stalled; one acknowledgement there after
+    the hedged copy was sent ends it."""
+    board = PartitionBoard(probe_s=1.0)
+    board.handed(T, 1, now=1.0)  # two held since 1.0, nothing taken since
+    board.handed(T, 1, now=1.1)
+    board.handed(T, 2, now=2.5)  # held since 2.5: after the hedged copy (2.0), so no stall of its length
+    assert not board.writing(T, 1, since=2.0) and board.writing(T, 2, since=2.0) and board.writing(T, 0, since=2.0)
+    assert {board.trusted(T, [0, 1, 2], avoid=(0,), since=2.0) for _ in range(4)} == {2}
+    board.handed(T, 2, now=2.6)
+    board.acknowledged(T, 2, now=1.5, taken=True)  # (an old copy's acknowledgement: before the hedged copy)
+    board.handed(T, 2, now=2.7)
+    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) is None  # both held since before 3.0
+    board.acknowledged(T, 1, now=3.1, taken=False)  # a refusal is no sign the broker writes
+    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) is None
+    board.acknowledged(T, 1, now=3.2, taken=True)
+    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) == 1
+    board.acknowledged(T, 3, now=3.3, taken=True)  # nothing handed there: nothing to count
+    assert (T, 3) not in board._parts
+
+
+@given(st.lists(st.tuples(st.sampled_from(["hand", "take", "refuse"]), st.integers(0, 2),
+                          st.floats(0, 1, allow_nan=False)), max_size=200))
+def test_the_board_counts_each_copy_out_once_and_back_once(steps: list[tuple[str, int, float]]) -> None:
+    """Whatever the order, a partition holds the copies handed to it less those answered (never fewer
+    than none), and one that holds none takes writes."""
+    board = PartitionBoard(probe_s=1.0)
+    held = [0, 0, 0]
+    now = 0.0
+    for kind, p, dt in steps:
+        now += dt
+        if kind == "hand":
+            board.handed(T, p, now)
+            held[p] += 1
+        else:
+            board.acknowledged(T, p, now, taken=kind == "take")
+            held[p] = max(0, held[p] - 1)
+        assert [board._parts[T, q].unacked if (T, q) in board._parts else 0 for q in range(3)] == held
+        assert all(board.writing(T, q, now + 1.0) for q in range(3) if not held[q])
+
+
+Held = dict[tuple[str, int | None], asyncio.Future[None]]
+
+
+def _stalled_broker(client: Client) -> tuple[Held, asyncio.Queue[tuple[str, int | None]], asyncio.Event]:
+    """Fake the producer of ``client`` as a broker that holds every copy until the test acknowledges it:
+    the futures by request id and partition, the copies in the order handed over, and an event set when a
+    hedge was looked for."""
+    held: Held = {}
+    handed: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
+    looked, hedge = asyncio.Event(), client._hedge
+
+    async def hand(topic: str, data: bytes, request: Request, headers: object, partition: int | None
+                   ) -> asyncio.Future[None]:
+        held[request.id, partition] = asyncio.get_running_loop().create_future()
+        handed.put_nowait((request.id, partition))
+        return held[request.id, partition]
+
+    def hedge_and_tell(*args: Any) -> bool | None:
+        sent = hedge(*args)
+        looked.set()
+        return sent
+
+    client._partitions = lambda topic: [0, 1, 2]  # type: ignore[method-assign]
+    client._hand = hand  # type: ignore[method-assign]
+    client._hedge = hedge_and_tell  # type: ignore[method-assign]
+    return held, handed, looked
+
+
+async def test_a_hedge_is_put_off_unpaid_while_every_partition_s_writes_stall_and_goes_where_one_moves(
+    offline: Offline,
+) -> None:
+    """A broker dies and, until it leaves the in-sync set, no partition takes a write: the request's hedge
+    comes due with every other partition holding older copies, so it is put off and costs nothing (a copy
+    would have waited as well). Once partition 1 takes a write again, the hedge goes there."""
+    client = offline(hedging=HedgePolicy(min_samples=1))
+    hedger = client._hedger
+    hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
+    held, handed, looked = _stalled_broker(client)
+    for p in (1, 2):  # our earlier copies, held there since a moment ago
+        hedger.board.handed(T, p, time.monotonic() - 0.5)
+    stranded = InFlight(client, T, b"", _request("r0", 600_000), None)
+    exchange = asyncio.create_task(client._exchange(stranded))
+    assert await asyncio.wait_for(handed.get(), 10) == ("r0", 0)
+    await asyncio.wait_for(looked.wait(), 10)
+    assert handed.empty() and hedger.nowhere == 1 and hedger.budget.spent == 0
+    other = InFlight(client, T, b"", _request("r1", 600_000), None)  # a copy that partition 1 will take
+    other_exchange = asyncio.create_task(client._exchange(other))
+    assert await asyncio.wait_for(handed.get(), 10) == ("r1", 1)
+    held["r1", 1].set_result(None)  # partition 1's leader takes writes again, and its worker answers
+    other.waiter.set_result(Result("r1", "m", Status.OK))
+    assert (await other_exchange).ok
+    assert await asyncio.wait_for(handed.get(), 10) == ("r0", 1)
+    assert hedger.budget.spent == 1 and hedger.nowhere == 1
+    stranded.waiter.set_result(Result("r0", "m", Status.OK))
+    assert (await exchange).ok
+
+
+async def test_a_put_off_request_whose_copy_the_broker_took_meanwhile_gives_its_worker_the_delay(
+    offline: Offline,
+) -> None:
+    """Put off while every partition stalled, the request's own copy is then taken, and the other
+    partitions move too: its next look does not hedge it (its worker has only just got it) but waits
+    its hedge delay from then."""
+    client = offline(hedging=HedgePolicy(min_samples=1))
+    hedger = client._hedger
+    hedger.observe("m", 0.001)
+    held, handed, looked = _stalled_broker(client)
+    for p in (1, 2):
+        hedger.board.handed(T, p, time.monotonic() - 0.5)
+    copies = InFlight(client, T, b"", _request("r0", 600_000), None)
+    exchange = asyncio.create_task(client._exchange(copies))
+    assert await asyncio.wait_for(handed.get(), 10) == ("r0", 0)
+    await asyncio.wait_for(looked.wait(), 10)
+    assert hedger.nowhere == 1
+    held["r0", 0].set_result(None)  # its own partition took it
+    for p in (1, 2):
+        hedger.board.acknowledged(T, p, time.monotonic(), taken=True)
+    await asyncio.sleep(0)
+    acked_at = copies._acked_at
+    assert acked_at is not None
+    copies.hurry()  # look now (as a partition turning suspect would make it)
+    await asyncio.sleep(0)
+    assert handed.empty() and hedger.budget.spent == 0 and copies._hedge_at == acked_at + 0.02
+    assert await asyncio.wait_for(handed.get(), 10) in {("r0", 1), ("r0", 2)}  # a delay later: hedged
+    copies.waiter.set_result(Result("r0", "m", Status.OK))
+    assert (await exchange).ok
+
+
 async def test_a_hedge_with_nowhere_to_go_is_put_off_not_dropped(offline: Offline) -> None:
     """Two partitions stopped, the third suspected for one slow batch: a request waiting on a stopped
     one is hedged to the third once it answers again, not left to its deadline."""
