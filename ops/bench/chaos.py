@@ -32,7 +32,8 @@ its last bad second (over 1 % failed) before five seconds without one.
 ``availability_outside_faults``: the same ratio over the requests sent outside every fault's window
 (from one deadline before the fault to 10 s after its recovery). ``projection``: a month at 200
 requests/s with one fault of each kind a day, each costing the worst its kind cost here, and the time
-between at the availability outside faults.
+between at the availability outside faults. ``warmup``: how the warm-up's requests ended (not
+counted in the rest; runs whose warm-ups went differently started from differently settled fleets).
 
 ``variants`` runs the same soak (same seed, same faults) with a mechanism switched off, one after the
 other on fresh stacks: ``combined`` (no controllers of their own: each broker is a controller voter
@@ -316,9 +317,11 @@ async def _drive(config: ChaosConfig, fleet: _Fleet, client: Client) -> dict[str
 
     warm = time.monotonic() + config.warmup_s
     next_at = time.monotonic()
+    warmup: list[_Call] = []
     while (now := time.monotonic()) < warm:  # the same traffic, not counted
         await asyncio.sleep(max(0.0, next_at - now))
-        task = asyncio.create_task(one(_Call("warmup", 0.0, now)))
+        warmup.append(_Call("warmup", 0.0, now))
+        task = asyncio.create_task(one(warmup[-1]))
         pending.add(task)
         task.add_done_callback(pending.discard)
         next_at += rng.expovariate(config.rate)
@@ -345,6 +348,9 @@ async def _drive(config: ChaosConfig, fleet: _Fleet, client: Client) -> dict[str
     await asyncio.sleep(config.drain_s)  # replies that come late still say the request was not lost
     late = client.late_reply_ids
     report = _report(config, calls, faults, late, client.hedges, fleet)
+    # How the warm-up's requests ended: a soak whose warm-up was refused or failed in part started from a
+    # fleet (estimates, the hedge window, the bucket) less settled than the others'.
+    report["warmup"] = dict(Counter(c.outcome for c in warmup).most_common())
     report["replies"] = {"late": client.late_replies, "duplicates_dropped": client.duplicate_replies,
                          "unknown": client.unknown_replies, "forged": client.forged_replies,
                          "received": client.replies_received}
