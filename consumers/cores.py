@@ -12,7 +12,9 @@ and says everything it decided as values:
     complete(work, outcome)      → replies for what the work produced (or its failure)
     revoke(partitions)           drop everything from partitions this worker lost, without replies:
                                    the partitions' new owner answers them
-    cancel(request_id)           a streaming client went away (generation)
+    cancel(request_id, mac, now) its sender needs no answer any more: a stream ends (generation); the
+                                   queued copies of a hedged request answered elsewhere leave unrun
+                                   (returned, no reply), and a copy fetched later is not admitted
 
 Every admitted request leaves a core exactly once, as a terminal reply (``Outgoing.terminal``) or
 through ``revoke``. Facts worth counting go to an ``Observer`` (see ``consumers.observer``) once,
@@ -105,10 +107,17 @@ _SHED_TEXT = {
 }
 
 
+def proven(request: Request, mac: bytes | None) -> bool:
+    """Whether a cancel note's ``mac`` comes from the sender of ``request`` (or the request carries no
+    reply key, and anyone may cancel it)."""
+    key = request.reply_key
+    return key is None or (mac is not None and hmac.compare_digest(cancel_mac(key, request.id), mac))
+
+
 class EngineCore(abc.ABC):
     """What the worker shell needs of a model, whatever its family."""
 
-    cancellable = False  # whether ``cancel`` can do anything (streams)
+    cancellable = False  # whether ``cancel`` can do anything
 
     def __init__(self, spec: ModelSpec, worker_id: str, observer: Observer) -> None:
         self.spec = spec
@@ -127,8 +136,9 @@ class EngineCore(abc.ABC):
     def admit(self, job: Job, now: float) -> bool:
         """Queue a decoded request; raises ``InvalidRequest`` for what this model cannot take.
 
-        False: a request with the same id is in progress here (a redelivered copy); the one in
-        progress answers the id, this copy needs no reply of its own.
+        False: this copy needs no reply of its own (its offset is done): a request with the same id is
+        in progress here (a redelivered copy), which answers the id, or its sender already has its answer
+        (``cancel``).
         """
 
     def shed(self, now: float, free_at: float) -> list[Outgoing]:
@@ -147,10 +157,14 @@ class EngineCore(abc.ABC):
     def revoke(self, partitions: set[Any]) -> int:
         """Forget every request from ``partitions`` (no replies); returns how many."""
 
-    def cancel(self, request_id: str, mac: bytes | None = None) -> bool:
-        """Stop a request in progress at the next step; ``mac`` proves the canceller sent it (needed
-        when the request carries a reply key). False when unknown, finished or not proven."""
-        return False
+    def cancel(self, request_id: str, mac: bytes | None, now: float) -> list[Job]:
+        """The sender of ``request_id`` needs no answer any more (a stream's client went away, or a hedged
+        request was answered through another copy); ``mac`` proves it is the sender (``proven``).
+
+        Returns the copies that leave now without a reply (their offsets are done). A stream leaves at
+        the next step instead, with its final reply; a request unknown here, finished or not proven is
+        left alone."""
+        return []
 
     @abc.abstractmethod
     def buffered(self) -> int:
@@ -200,8 +214,46 @@ class _Ran:
     split: bool  # the batch failed whole and its requests ran again one by one
 
 
+class Notes:
+    """The cancel notes a worker has seen, for the copies it has not fetched yet: a hedged request's
+    stalled copy reaches its partition's worker after the answer through another copy, sometimes
+    seconds later (a broker's failover). Kept ``keep_s`` each, at most ``most`` (the oldest go first):
+    what a flood of forged notes can cost is that a copy runs again, as without notes."""
+
+    MACS = 4  # kept for one id: a note forged for it first does not hide its sender's
+
+    def __init__(self, keep_s: float = 60.0, most: int = 32_768) -> None:
+        self.keep_s, self.most = keep_s, most
+        self._notes: dict[str, tuple[tuple[bytes | None, ...], float]] = {}  # id -> (MACs, until); oldest first
+
+    def __len__(self) -> int:
+        return len(self._notes)
+
+    def add(self, request_id: str, mac: bytes | None, now: float) -> None:
+        notes = self._notes
+        while notes:  # the oldest first: the expired, and beyond the bound
+            oldest = next(iter(notes))
+            if notes[oldest][1] > now and len(notes) < self.most:
+                break
+            del notes[oldest]
+        macs, until = notes.get(request_id, ((), now + self.keep_s))
+        if mac not in macs and len(macs) < self.MACS:
+            notes[request_id] = (*macs, mac), until
+
+    def covers(self, request: Request, now: float) -> bool:
+        """Whether a note from ``request``'s sender says it needs no answer."""
+        note = self._notes.get(request.id) if self._notes else None
+        return note is not None and note[1] > now and any(proven(request, mac) for mac in note[0])
+
+
 class BatchCore(EngineCore):
-    """Requests wait in a ``DynamicBatcher`` and run in batches; each gets one result."""
+    """Requests wait in a ``DynamicBatcher`` and run in batches; each gets one result.
+
+    A cancel note drops the request's queued copies unrun, and is kept (``Notes``) so that a copy
+    fetched later is not run either: the sender has its answer. Background work is never hedged, so
+    only the interactive queue is looked at."""
+
+    cancellable = True
 
     def __init__(self, spec: ModelSpec, runner: BatchRunner, policy: BatchPolicy, worker_id: str,
                  observer: Observer) -> None:
@@ -216,6 +268,7 @@ class BatchCore(EngineCore):
         self._slice_started: float | None = None  # a background slice is running since (monotonic)
         self._interactive_busy = BusyShare()
         self._max_busy = policy.background_max_busy
+        self.notes = Notes()
 
     @property
     def runner(self) -> Runner:
@@ -227,6 +280,9 @@ class BatchCore(EngineCore):
             raise InvalidRequest(f"model {self.name!r} ({self.spec.family}) does not stream", "stream")
         if request.messages:
             raise InvalidRequest(f"model {self.name!r} ({self.spec.family}) does not chat: send inputs", "model")
+        if self.notes.covers(request, now):
+            self.observer.answered_elsewhere(self.name, 1)
+            return False
         count = self._runner.count_tokens
         background = request.priority.background
         (self.background if background else self.batcher).add(
@@ -234,6 +290,13 @@ class BatchCore(EngineCore):
             longest=max(count(t) for t in request.inputs), deadline=job.deadline, now=now,
         )
         return True  # a copy is computed again: replies are idempotent by id, and a batch is cheap
+
+    def cancel(self, request_id: str, mac: bytes | None, now: float) -> list[Job]:
+        self.notes.add(request_id, mac, now)
+        gone = self.batcher.remove(lambda p: p.payload.request.id == request_id and proven(p.payload.request, mac))
+        if gone:
+            self.observer.answered_elsewhere(self.name, len(gone))
+        return [p.payload for p in gone]
 
     def shed(self, now: float, free_at: float) -> list[Outgoing]:
         dropped = self.batcher.shed(now, free_at=free_at)
@@ -579,14 +642,11 @@ class GenCore(EngineCore):
                                        finish=why.value, usage=running.usage, error=error, worker=self.worker_id))
         return Outgoing(job, self._result(job, status, error=error, timings=running.timings()))
 
-    def cancel(self, request_id: str, mac: bytes | None = None) -> bool:
+    def cancel(self, request_id: str, mac: bytes | None, now: float) -> list[Job]:
         running = self._seqs.get(request_id)
-        if running is None:
-            return False
-        key = running.job.request.reply_key
-        if key is not None and (mac is None or not hmac.compare_digest(cancel_mac(key, request_id), mac)):
-            return False  # someone else's request: only its sender may stop it
-        return self.scheduler.cancel(request_id)
+        if running is not None and proven(running.job.request, mac):  # only its sender may stop it
+            self.scheduler.cancel(request_id)  # it leaves at the next step, with its final reply
+        return []
 
     def revoke(self, partitions: set[Any]) -> int:
         gone = [r for r in self._seqs.values() if r.job.partition in partitions and not r.revoked]

@@ -38,6 +38,11 @@ SHED = Counter(
     "kinfer_shed_total", "Requests refused before compute, by reason (expired, deadline, codel)",
     ["model", "priority", "reason"],
 )
+COPIES_DROPPED = Counter(
+    "kinfer_copies_dropped_total",
+    "Copies dropped unrun: their sender already had its answer (a hedged request answered through another copy)",
+    ["model"],
+)
 DEAD_LETTERS = Counter("kinfer_dead_letters_total", "Records sent to the dead-letter topic", ["model", "field"])
 UNDELIVERED = Counter(
     "kinfer_replies_undelivered_total",

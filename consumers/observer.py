@@ -90,6 +90,10 @@ class Observer:
     def cancelled(self, model: str) -> None:
         """A streaming client went away and its sequence was dropped."""
 
+    def answered_elsewhere(self, model: str, copies: int) -> None:
+        """Copies of a request whose sender already has its answer (a hedged request answered through
+        another copy) were dropped unrun."""
+
     def resident(self, model: str, tier: str, footprint_bytes: int) -> None:
         """Where the model's weights are now (device, host, disk) and how much device memory they take."""
 

@@ -98,6 +98,9 @@ class PrometheusSink(Observer):
     def cancelled(self, model: str) -> None:
         self._child(metrics.GEN_CANCELLED, model).inc()
 
+    def answered_elsewhere(self, model: str, copies: int) -> None:
+        self._child(metrics.COPIES_DROPPED, model).inc(copies)
+
     def resident(self, model: str, tier: str, footprint_bytes: int) -> None:
         self._child(metrics.MODEL_BYTES, model).set(footprint_bytes)
         for name in TIERS:

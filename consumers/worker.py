@@ -26,7 +26,8 @@ which awaits while changing shared state, so no locks:
                                 whose replies are out
         answered loop           the same positions, committed or not, to ``kinfer:answered:<model>``
                                 (``consumers.progress``): the lag monitor's view while commits stall
-        cancel loop             streams whose client went away
+        cancel loop             cancel notes: streams whose client went away, copies of hedged
+                                requests answered elsewhere (left unrun, offsets done)
 
 At-least-once: an offset is committed only after the reply for it (and for everything before it
 in its partition) has been published (``consumers.offsets`` states the invariant and why it holds
@@ -356,7 +357,8 @@ class Worker:
         return out, spans
 
     async def _cancel_loop(self, redis: aioredis.Redis) -> None:
-        """Streams whose client went away: free their slot at the next step (best effort)."""
+        """Cancel notes (best effort): a stream whose client went away frees its slot at the next step; the
+        queued copies of a hedged request answered elsewhere leave unrun, their offsets done."""
         async for data in subscribed(redis, CANCEL_CHANNEL, self._signals.drained):
             try:
                 note = CancelNote.unpack(data)
@@ -364,8 +366,14 @@ class Worker:
                 refused("worker-cancel", exc)
                 continue
             feed = self.feeds.get(note.model)
-            if feed is not None and feed.core.cancel(note.id, note.mac):
-                self._signals.wake.set()
+            if feed is None:
+                continue
+            dropped = feed.core.cancel(note.id, note.mac, time.monotonic())
+            for job in dropped:  # left unrun: nobody waits for their replies
+                feed.tracker.done(job.partition, job.offset)
+            if dropped:
+                self._signals.commit.set()
+            self._signals.wake.set()
 
     async def _commit_loop(self) -> None:
         """Commit what is done, coalesced: at most one round every ``commit_interval_ms``."""

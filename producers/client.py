@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 # A model found missing is answered from memory this long: a caller retrying an unknown model (or
 # a fuzzer) costs one metadata round trip per second, not one per request.
 MISSING_TOPIC_TTL_S = 1.0
+NOTE_TIMEOUT_S = 1.0  # a cancel note Redis has not taken by then is given up on
 
 
 @dataclass(frozen=True, slots=True)
@@ -695,8 +696,11 @@ class Client:
         finally:
             copies.close()
         now = time.monotonic()
-        if first is not None and len(copies.sent) == 1:
-            hedger.board.answered(topic, first, now)
+        if len(copies.sent) == 1:
+            if first is not None:
+                hedger.board.answered(topic, first, now)
+        else:  # hedged: the other copies, wherever they wait, are dropped unrun (a cancel note, best effort)
+            self._in_background(self._cancel(request.model, request.id), self._background)
         if result.status is Status.OK and not request.priority.background:
             hedger.observe(request.model, now - sent_at)
         return result
@@ -833,9 +837,12 @@ class Client:
         self._in_background(publish(), self._background)
 
     async def _cancel(self, model: str, request_id: str) -> None:
-        with contextlib.suppress(RedisError, OSError):
+        """Tell the workers this request needs no answer any more (``topics.cancel``); a Redis that does
+        not take it within a second is given up on: the note only saves work."""
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
             mac = cancel_mac(self._replies.key, request_id)  # only the sender of a request may cancel it
-            await self._redis.publish(CANCEL_CHANNEL, CancelNote(request_id, model, mac).pack())
+            async with asyncio.timeout(NOTE_TIMEOUT_S):
+                await self._redis.publish(CANCEL_CHANNEL, CancelNote(request_id, model, mac).pack())
 
     async def models(self) -> list[str]:
         """Models with request topics on the broker (what a worker could serve)."""

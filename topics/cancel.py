@@ -1,4 +1,6 @@
-"""The cancel note: a streaming client that went away asks the workers to stop its request.
+"""The cancel note: a request's sender needs no answer any more (its stream's client went away, or a
+hedged request was answered through another copy); the workers stop its sequence or drop its queued
+copies, and keep the note a while for a copy they fetch later (``consumers.cores.Notes``).
 
 Published on the Redis channel ``kinfer:cancel`` (best effort). ``mac`` = HMAC-SHA256(reply_key,
 "cancel" NUL id) proves the sender sent the request (``topics.auth.cancel_mac``); a worker stops only

@@ -6,7 +6,7 @@
     infer.dlq                      dead letters: records that failed validation, with a reason header
     replies.<name>                 durable reply topics, one per client group
     kinfer:reply:<tenant>:<id>     Redis pub/sub reply channels, one per client instance
-    kinfer:cancel                  Redis pub/sub: cancellations of streams (best effort)
+    kinfer:cancel                  Redis pub/sub: cancel notes: streams, answered hedges (best effort)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ REQUEST_PREFIX = "infer."
 REPLY_TOPIC_PREFIX = "replies."
 WORKER_GROUP_PREFIX = "kinfer.worker."
 REDIS_REPLY_PREFIX = "kinfer:reply:"
-CANCEL_CHANNEL = "kinfer:cancel"  # Redis pub/sub: {"id", "model"} of streams whose client went away
+CANCEL_CHANNEL = "kinfer:cancel"  # Redis pub/sub: {"id", "model", "mac"} of requests whose sender needs no answer
 
 # Model names end up inside topic names, so they use a conservative subset of Kafka's alphabet
 # (no '.', which separates the parts of a topic name).

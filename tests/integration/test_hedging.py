@@ -11,15 +11,20 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import uuid
 from collections.abc import Callable
 
 import pytest
+import redis.asyncio as aioredis
 
 from kinfer.ops.localstack.procs import wait_until_served
 from kinfer.ops.localstack.stack import StackInfo
 from kinfer.producers import Client
 from kinfer.producers.hedging import HedgePolicy
 from kinfer.topics import DeadlineExceeded
+from kinfer.topics.admin import offset_clients, read_offsets
+from kinfer.topics.auth import cancel_mac, new_reply_key
+from kinfer.topics.cancel import CANCEL_CHANNEL, CancelNote
 from tests.integration.conftest import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -68,3 +73,35 @@ async def test_a_paused_owner_costs_hedges_not_answers(
     assert (ok, lost) == (40, 0), (ok, lost, plain_lost, hedged.hedges)
     counts = hedged.hedges
     assert 1 <= counts["hedged"] < 20, counts  # after the first hedges its partitions are skipped
+
+
+async def test_a_copy_whose_sender_has_its_answer_is_dropped_unrun_and_its_offset_done(
+    stack: StackInfo, topics: str, spawn_worker: Callable[..., WorkerProcess]
+) -> None:
+    """A hedged request's stalled copy reaches its worker after the answer came through another copy (a
+    broker's failover writes it seconds later), and after its sender's cancel note. Played here by sending
+    the note first: the worker drops that copy unrun and its offset is done; a note not from the request's
+    sender (its MAC made with another key) drops nothing."""
+    worker = spawn_worker(topics, "--family", "noop")
+    async with aioredis.Redis.from_url(stack.redis_url) as redis, \
+            Client(stack.bootstrap, stack.redis_url, tenant="tests", hedging=HedgePolicy(enabled=False),
+                   admission=False) as client, offset_clients(stack.bootstrap) as (admin, consumer):
+        await wait_until_served(client, topics)
+        answered, forged = f"answered-{uuid.uuid4().hex}", f"forged-{uuid.uuid4().hex}"
+        await client._cancel(topics, answered)  # what the client sends once a hedged request is answered
+        await redis.publish(CANCEL_CHANNEL, CancelNote(forged, topics, cancel_mac(new_reply_key(), forged)).pack())
+        # Sent after the notes, which reach the worker through Redis well before a request comes through the
+        # producer, the broker and a fetch: once this one is answered, the notes have been read.
+        assert (await client.infer(topics, ["after the notes"], deadline_ms=10_000)).ok
+        with pytest.raises(DeadlineExceeded):
+            await client.infer(topics, ["never run"], request_id=answered, deadline_ms=2_000)
+        assert (await client.infer(topics, ["run"], request_id=forged, deadline_ms=10_000)).ok
+        assert worker.metric("kinfer_copies_dropped_total") == 1
+        assert worker.metric("kinfer_results_total", status="expired") == 0  # dropped, not shed: no reply at all
+        for _ in range(300):  # the dropped copy's offset is committed with the rest: nothing is left behind
+            offsets = await read_offsets(admin, consumer, topics)
+            if offsets is not None and sum(offsets.lag) == 0:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"the model's lag stayed {offsets}")

@@ -17,12 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kinfer.batcher import BatchPolicy, GenPolicy
-from kinfer.consumers.cores import BatchCore, GenCore, Job, Next, Outcome, Outgoing, Work
+from kinfer.consumers.cores import BatchCore, GenCore, Job, Next, Notes, Outcome, Outgoing, Work
 from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
 from kinfer.consumers.runners import ModelSpec
 from kinfer.consumers.runners.generator import GeneratorRunner, GenInput, TokenEvent
 from kinfer.consumers.runners.noop import NoopRunner
 from kinfer.topics import Chunk, InvalidRequest, Priority, Request, Result, Status, Turn
+from kinfer.topics.auth import cancel_mac, new_reply_key
 from kinfer.topics.envelope import ReplyRoute
 
 ROUTE = ReplyRoute.channel("kinfer:reply:x")
@@ -56,6 +57,9 @@ class RecordingObserver(Observer):
 
     def cancelled(self, model: str) -> None:
         self.calls.append(("cancelled", (model,)))
+
+    def answered_elsewhere(self, model: str, copies: int) -> None:
+        self.calls.append(("answered_elsewhere", (model, copies)))
 
     def of(self, name: str) -> list[tuple[Any, ...]]:
         return [args for n, args in self.calls if n == name]
@@ -154,10 +158,10 @@ def full_text(rid: str, tokens: int) -> str:
 
 def request(rid: str, inputs: tuple[str, ...] = ("hello",), *, priority: Priority = Priority.P1,
             stream: bool = False, params: dict[str, Any] | None = None, model: str = "m",
-            messages: tuple[Turn, ...] = ()) -> Request:
+            messages: tuple[Turn, ...] = (), reply_key: bytes | None = None) -> Request:
     return Request(id=rid, model=model, priority=priority, tenant="t", created_ms=1, deadline_ms=2,
                    inputs=() if messages else inputs, reply=ROUTE, params=params or {}, stream=stream,
-                   messages=messages)
+                   messages=messages, reply_key=reply_key)
 
 
 def job(req: Request, *, partition: Hashable = "tp0", offset: int = 0, deadline: float = FAR,
@@ -257,6 +261,56 @@ def test_batch_every_request_gets_one_ok_result_with_its_outputs_in_order_across
     assert len(facts) == len(runner.calls)
     assert [f.size for f in facts] == [len(t) for t in runner.calls]
     assert sum(f.requests for f in facts) == len(sizes) and sum(f.errors for f in facts) == 0
+
+
+def test_batch_a_cancel_note_drops_the_queued_copies_unrun_and_keeps_out_a_copy_fetched_later() -> None:
+    core, runner, observer = batch_core()
+    key = new_reply_key()
+    hedged = request("h", ("twice",), reply_key=key)
+    assert core.admit(job(hedged, partition="tp0", offset=0), T0)
+    assert core.admit(job(request("o", ("other",), reply_key=key), partition="tp0", offset=1), T0)
+
+    # Only the request's sender can make the note: a forged MAC, or none, drops nothing.
+    assert core.cancel("h", cancel_mac(new_reply_key(), "h"), T0) == []
+    assert core.cancel("h", None, T0) == []
+    assert core.buffered() == 2
+
+    mac = cancel_mac(key, "h")
+    [dropped] = core.cancel("h", mac, T0 + 0.1)
+    assert (dropped.request.id, dropped.partition, dropped.offset) == ("h", "tp0", 0)  # its offset is done
+    assert core.buffered() == 1
+    # The copy on the partition that stalled comes later: not admitted (no reply of its own), not run.
+    assert not core.admit(job(hedged, partition="tp2", offset=7), T0 + 5)
+    replies = drain_batches(core, T0 + 5)
+    assert terminals(replies) == {"o": 1} and runner.calls == [["other"]]
+    assert observer.of("answered_elsewhere") == [("m", 1), ("m", 1)]
+    # Kept a while, not for ever: a copy after that runs (and is answered, as before).
+    assert core.admit(job(hedged, partition="tp1", offset=9), T0 + 0.1 + core.notes.keep_s)
+    assert terminals(drain_batches(core, T0 + 70)) == {"h": 1}
+
+
+def test_batch_a_note_for_a_request_without_a_reply_key_is_taken_from_anyone() -> None:
+    core, runner, _ = batch_core()
+    core.cancel("plain", None, T0)
+    assert not core.admit(job(request("plain")), T0)
+    assert not core.has_work() and runner.calls == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(notes=st.lists(st.tuples(st.sampled_from("abcdefgh"), st.floats(0.0, 5.0)), max_size=40),
+       most=st.integers(1, 5))
+def test_notes_are_bounded_and_each_lasts_its_time_at_most(notes: list[tuple[str, float]], most: int) -> None:
+    kept = Notes(keep_s=2.0, most=most)
+    now, first_at = T0, {}
+    for rid, step in notes:
+        now += step
+        first_at = {r: at for r, at in first_at.items() if kept.covers(request(r), now)}
+        kept.add(rid, None, now)
+        first_at.setdefault(rid, now)
+        assert len(kept) <= most and kept.covers(request(rid), now)  # the newest is always kept
+    for rid in "abcdefgh":  # a note covers only within keep_s of the first one kept for it
+        if kept.covers(request(rid), now):
+            assert now - first_at[rid] < 2.0
 
 
 def test_batch_a_failing_batch_runs_again_one_by_one_and_only_the_culprit_fails() -> None:
@@ -415,7 +469,7 @@ def test_gen_cancel_ends_a_stream_in_band_and_the_runner_drops_it() -> None:
         out += gen_step(core, T0 + i)[1]
     assert [r.message.id for r in out] == ["s", "s"]
 
-    assert core.cancel("s")
+    assert core.cancel("s", None, T0 + 2) == []  # it leaves at its next step, with its final reply
     plan, more = gen_step(core, T0 + 2)
     [ended] = plan.replies
     assert ended.terminal and isinstance(ended.message, Chunk)
@@ -424,7 +478,7 @@ def test_gen_cancel_ends_a_stream_in_band_and_the_runner_drops_it() -> None:
     assert runner.steps[-1][1] == ["s"]  # told to drop it, in the very next step
     assert "s" not in runner.rows
     assert observer.of("cancelled") == [("m",)]
-    assert not core.cancel("s")  # gone
+    core.cancel("s", None, T0 + 2)  # gone: nothing more to end
 
     out += more + drain_gen(core, T0 + 3)
     assert terminals(out) == {"s": 1, "o": 1}
@@ -530,7 +584,9 @@ def test_gen_a_failing_step_fails_the_sequences_in_it_and_the_core_serves_on() -
     assert terminals(rest) == {"w": 1, "n": 1}
     assert all(isinstance(r.message, Result) and r.message.status is Status.OK for r in rest)
     assert by_id(rest)["n"][0].outputs[0]["text"] == full_text("n", 3)  # type: ignore[union-attr]
-    assert not core.has_work() and not core.cancel("s") and not core.cancel("p")
+    core.cancel("s", None, T0 + 4)
+    core.cancel("p", None, T0 + 4)
+    assert not core.has_work() and observer.of("cancelled") == []
 
 
 def test_gen_a_failing_step_sends_nothing_for_a_sequence_revoked_during_it() -> None:

@@ -16,6 +16,8 @@ from kinfer.producers import Client
 from kinfer.producers.client import InFlight
 from kinfer.producers.hedging import HedgeBudget, HedgePolicy, Hedger, LatencyWindow, PartitionBoard
 from kinfer.topics import DeadlineExceeded, Priority, Request, Result, Status, Unavailable, now_ms
+from kinfer.topics.auth import cancel_mac
+from kinfer.topics.cancel import CANCEL_CHANNEL, CancelNote
 from kinfer.topics.envelope import ReplyRoute
 
 T = "infer.m.p1"
@@ -422,10 +424,23 @@ async def test_requests_waiting_on_a_partition_that_turns_suspect_are_hedged_at_
     hedges = {await asyncio.wait_for(published.get(), 10), await asyncio.wait_for(published.get(), 10)}
     assert {rid for rid, _ in hedges} == {"r3", "r0"} and all(p != 0 for _, p in hedges)
     assert client._hedger.board.suspect(T, 0) and published.empty()
+    notes: list[tuple[str, bytes]] = []
+
+    async def publish(channel: str, data: bytes) -> int:
+        notes.append((channel, data))
+        return 1
+
+    client._redis.publish = publish  # type: ignore[method-assign]
     for rid, waiter in waiters.items():
         waiter.set_result(Result(rid, "m", Status.OK))
     assert all(r.ok for r in await asyncio.gather(*exchanges))
     assert client._waiting == {}  # nothing is left listed once the requests are over
+    # Answered, each hedged request tells the workers its other copy needs no running (a cancel note with
+    # its sender's MAC); a request that was never hedged sends nothing.
+    await asyncio.gather(*client._background)
+    sent = {(channel, CancelNote.unpack(data)) for channel, data in notes}
+    key = client._replies.key
+    assert sent == {(CANCEL_CHANNEL, CancelNote(rid, "m", cancel_mac(key, rid))) for rid in ("r0", "r3")}
 
 
 async def test_the_tail_leaves_the_reserve_to_requests_stranded_on_a_suspect_partition(offline: Offline) -> None:
