@@ -151,7 +151,7 @@ class InFlight:
         self._wait: float | None = None  # until the next look for a hedge (doubles while put off)
         self._hedge_at: float | None = None  # when that is, on the loop's clock
         self._put_off = False  # a hedge was due with nowhere better to go
-        self._acked_at: float | None = None  # when the broker last took a copy (the loop's clock)
+        self._acked_at: float | None = None  # when the broker last took a copy while it was put off (loop clock)
         self._timer: asyncio.Handle | None = None
         self._on: tuple[str, int] | None = None  # where it is listed in the client's ``_waiting``
         self.waiter: asyncio.Future[Result] = client._replies.expect(
@@ -227,16 +227,16 @@ class InFlight:
 
     def _done(self, partition: int | None, delivery: asyncio.Future[Any]) -> None:
         self.sends.discard(delivery)
-        error = None if delivery.cancelled() else delivery.exception()
+        cancelled = delivery.cancelled()
+        error = None if cancelled else delivery.exception()
+        taken = not cancelled and error is None
         if partition is not None:
-            self._client._hedger.board.acknowledged(self.topic, partition, time.monotonic(),
-                                                    error is None and not delivery.cancelled())
-        if delivery.cancelled():
-            return
-        if error is None:
+            self._client._hedger.board.acknowledged(self.topic, partition, time.monotonic(), taken)
+        if taken:
             self.accepted = True
-            self._acked_at = self._loop.time()
-        else:
+            if self._put_off:  # the one reader of it (``_due``): no clock read for every other request
+                self._acked_at = self._loop.time()
+        elif error is not None:
             self.refused(error)
 
     def _due(self) -> None:
