@@ -306,6 +306,8 @@ def test_notes_are_bounded_and_each_lasts_its_time_at_most(notes: list[tuple[str
         now += step
         first_at = {r: at for r, at in first_at.items() if kept.covers(request(r), now)}
         kept.add(rid, None, now)
+        if rid in first_at:  # a second note for a kept id makes no room: nothing else kept goes
+            assert all(kept.covers(request(r), now) for r in first_at)
         first_at.setdefault(rid, now)
         assert len(kept) <= most and kept.covers(request(rid), now)  # the newest is always kept
     for rid in "abcdefgh":  # a note covers only within keep_s of the first one kept for it
