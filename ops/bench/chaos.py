@@ -357,6 +357,22 @@ async def _drive(config: ChaosConfig, fleet: _Fleet, client: Client) -> dict[str
     return report
 
 
+def timeline_of(calls: Iterable[tuple[float, str]], seconds: int) -> dict[str, Any]:
+    """Per second of the soak, by when each request was sent ((seconds in, outcome) each): how many were
+    offered and how many failed, and the failures by outcome (sparse: outcome -> second -> count), which
+    tell a fault's first burst (what it held when it struck) from what it cost later."""
+    offered, failed = [0] * seconds, [0] * seconds
+    how: dict[str, Counter[int]] = {}
+    for sent, outcome in calls:
+        s = min(seconds - 1, int(sent))
+        offered[s] += 1
+        if outcome != "ok":
+            failed[s] += 1
+            how.setdefault(outcome, Counter())[s] += 1
+    return {"offered": offered, "failed": failed,
+            "failed_by_outcome": {o: {str(s): n for s, n in sorted(by.items())} for o, by in sorted(how.items())}}
+
+
 def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]], late: set[str],
             hedges: dict[str, float], fleet: _Fleet) -> dict[str, Any]:
     offered = len(calls)
@@ -367,11 +383,7 @@ def _report(config: ChaosConfig, calls: list[_Call], faults: list[dict[str, Any]
     before_s = config.deadline_ms / 1000.0  # a request sent this long before a fault is still in flight at it
     charge(faults, [(c.sent, c.outcome) for c in calls if c.kind != "ok"], before_s)
     seconds = int(config.minutes * 60.0) + 1
-    timeline = {"offered": [0] * seconds, "failed": [0] * seconds}
-    for c in calls:
-        s = min(seconds - 1, int(c.sent))
-        timeline["offered"][s] += 1
-        timeline["failed"][s] += c.kind != "ok"
+    timeline = timeline_of(((c.sent, c.outcome) for c in calls), seconds)
     for i, f in enumerate(faults):
         until = faults[i + 1]["at_s"] if i + 1 < len(faults) else seconds
         f["recovery_s"] = recovery_s(timeline["failed"], timeline["offered"], f["at_s"], until)

@@ -20,6 +20,7 @@ from kinfer.ops.bench.chaos import (
     projection,
     recovery_s,
     schedule,
+    timeline_of,
 )
 from kinfer.ops.localstack.stack import LocalStack
 
@@ -109,3 +110,11 @@ def test_the_projection_charges_each_kind_its_worst_cost_once_a_day() -> None:
     assert p["failed_per_month"] == round(failed)
     assert p["availability_month"] == round(1 - failed / offered, 6)
     assert projection(faults, between=None, rate=100.0) is None
+
+
+def test_the_timeline_counts_by_second_sent_and_keeps_each_failure_s_outcome() -> None:
+    calls = [(0.2, "ok"), (0.9, "expired"), (1.0, "ok"), (1.5, "refused:deadline"), (1.7, "expired"), (9.0, "expired")]
+    t = timeline_of(calls, seconds=3)
+    assert t["offered"] == [2, 3, 1]  # a request sent past the end counts in the last second
+    assert t["failed"] == [1, 2, 1]
+    assert t["failed_by_outcome"] == {"expired": {"0": 1, "1": 1, "2": 1}, "refused:deadline": {"1": 1}}
