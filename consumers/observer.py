@@ -5,7 +5,9 @@ ran, a request was shed, a reply went out). ``Observers`` hands each fact to eve
 
 - ``PrometheusSink`` — the worker's ``/metrics`` (``--metrics-port``), for scraping and alerts;
 - ``StatsSink`` — the telemetry stream (``kinfer.stats``), for the stream processor's windowed
-  tables and, through them, the lag monitor's service-time estimate.
+  tables and, through them, the lag monitor's service-time estimate;
+- ``ShedLog`` — the worker's log: once a second while it refuses requests, how many, why, and the
+  longest a request had waited on the broker when fetched.
 
 A sink ignores the facts it has no use for. Facts that happen per request are cheap to report:
 Prometheus children are resolved once per label set, and counts are reported per batch.

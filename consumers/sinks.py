@@ -1,8 +1,12 @@
-"""The observer's two sinks: Prometheus (``--metrics-port``) and the telemetry stream (``kinfer.stats``)."""
+"""The observer's sinks: Prometheus (``--metrics-port``), the telemetry stream (``kinfer.stats``), and the
+worker's log, which says once a second why it refused what it refused."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from kinfer.batcher import Reason
@@ -11,6 +15,8 @@ from kinfer.consumers.observer import BatchFacts, Observer, StepFacts
 from kinfer.consumers.stats_reporter import StatsReporter
 from kinfer.topics import Priority, Status
 from kinfer.topics.residency import TIERS
+
+log = logging.getLogger(__name__)
 
 
 class PrometheusSink(Observer):
@@ -125,3 +131,40 @@ class StatsSink(Observer):
 
     def step(self, model: str, facts: StepFacts) -> None:
         self.reporter.batch(model, facts.running, facts.admitted, facts.tokens, facts.compute_s, step=True)
+
+
+class ShedLog(Observer):
+    """One warning a second, per model, while a worker refuses requests before compute: how many and
+    why (expired while queued, could not make its deadline, CoDel), and the longest a request it
+    fetched in that second had waited on the broker. A reader tells a worker that fetched late (the
+    broker held the records: "expired" with a long wait at fetch) from one whose queue was too long
+    ("deadline" or CoDel with short waits)."""
+
+    def __init__(self, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self._clock = every_s, clock
+        self._shed: dict[str, Counter[str]] = {}
+        self._waited: dict[str, float] = {}  # the longest wait at fetch, this second, by model
+        self._since: dict[str, float] = {}
+
+    def fetched(self, model: str, priority: Priority, queue_s: float) -> None:
+        self._tick(model)
+        if queue_s > self._waited.get(model, 0.0):
+            self._waited[model] = queue_s
+
+    def shed(self, model: str, priority: Priority, reason: str) -> None:
+        self._tick(model)
+        self._shed.setdefault(model, Counter())[reason] += 1
+
+    def _tick(self, model: str) -> None:
+        """Closes the model's second once it is over (at its next fact: a quiet worker says it late)."""
+        now = self._clock()
+        since = self._since.setdefault(model, now)
+        if now - since < self.every_s:
+            return
+        shed = self._shed.pop(model, None)
+        waited = self._waited.pop(model, 0.0)
+        self._since[model] = now
+        if shed:
+            why = ", ".join(f"{reason} {n}" for reason, n in sorted(shed.items()))
+            log.warning("%s: %d refused before compute in the last %.1f s (%s); the longest wait at fetch %.0f ms",
+                        model, sum(shed.values()), now - since, why, waited * 1000.0)

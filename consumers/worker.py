@@ -70,7 +70,7 @@ from kinfer.consumers.replies import Delivery, ReplySink, reply_redis
 from kinfer.consumers.runners import Runner, build_runner
 from kinfer.consumers.runners.base import default_executors, set_threads
 from kinfer.consumers.settings import WorkerSettings
-from kinfer.consumers.sinks import PrometheusSink, StatsSink
+from kinfer.consumers.sinks import PrometheusSink, ShedLog, StatsSink
 from kinfer.consumers.stats_reporter import StatsReporter
 from kinfer.consumers.swapping import Swapper
 from kinfer.topics import MalformedRecord, Priority, Result, Status, Unavailable, now_ms, tracing
@@ -95,7 +95,7 @@ class Worker:
     def __init__(self, settings: WorkerSettings, runners: dict[str, Runner] | None = None) -> None:
         self.settings = settings
         self.stats = StatsReporter(settings.worker_id)
-        self.observer = Observers([PrometheusSink(), StatsSink(self.stats)])
+        self.observer = Observers([PrometheusSink(), StatsSink(self.stats), ShedLog()])
         self.feeds: dict[str, Feed] = {}
         careful = CarefulToken()  # one careful record in flight in the whole worker, and it runs alone
         for spec in settings.models:
