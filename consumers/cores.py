@@ -231,10 +231,10 @@ class Notes:
 
     def add(self, request_id: str, mac: bytes | None, now: float) -> None:
         notes = self._notes
-        room = request_id in notes  # a note for a kept id takes no room of its own
+        kept = request_id in notes  # a note for a kept id takes no room of its own
         while notes:  # the oldest first: the expired, and beyond the bound
             oldest = next(iter(notes))
-            if notes[oldest][1] > now and (room or len(notes) < self.most):
+            if notes[oldest][1] > now and (kept or len(notes) < self.most):
                 break
             del notes[oldest]
         macs, until = notes.get(request_id, ((), now + self.keep_s))

@@ -133,6 +133,15 @@ class StatsSink(Observer):
         self.reporter.batch(model, facts.running, facts.admitted, facts.tokens, facts.compute_s, step=True)
 
 
+class _Second:
+    """What one model's worker refused in the second under way, and the longest wait at fetch in it."""
+
+    __slots__ = ("shed", "since", "waited")
+
+    def __init__(self, since: float) -> None:
+        self.since, self.waited, self.shed = since, 0.0, Counter[str]()
+
+
 class ShedLog(Observer):
     """One warning a second, per model, while a worker refuses requests before compute: how many and
     why (expired while queued, could not make its deadline, CoDel), and the longest a request it
@@ -142,29 +151,26 @@ class ShedLog(Observer):
 
     def __init__(self, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.every_s, self._clock = every_s, clock
-        self._shed: dict[str, Counter[str]] = {}
-        self._waited: dict[str, float] = {}  # the longest wait at fetch, this second, by model
-        self._since: dict[str, float] = {}
+        self._seconds: dict[str, _Second] = {}
 
     def fetched(self, model: str, priority: Priority, queue_s: float) -> None:
-        self._tick(model)
-        if queue_s > self._waited.get(model, 0.0):
-            self._waited[model] = queue_s
+        second = self._second(model)
+        if queue_s > second.waited:
+            second.waited = queue_s
 
     def shed(self, model: str, priority: Priority, reason: str) -> None:
-        self._tick(model)
-        self._shed.setdefault(model, Counter())[reason] += 1
+        self._second(model).shed[reason] += 1
 
-    def _tick(self, model: str) -> None:
-        """Closes the model's second once it is over (at its next fact: a quiet worker says it late)."""
+    def _second(self, model: str) -> _Second:
+        """The model's second under way; the one before is said first if it is over (at the model's next
+        fact: a quiet worker says it late)."""
         now = self._clock()
-        since = self._since.setdefault(model, now)
-        if now - since < self.every_s:
-            return
-        shed = self._shed.pop(model, None)
-        waited = self._waited.pop(model, 0.0)
-        self._since[model] = now
-        if shed:
-            why = ", ".join(f"{reason} {n}" for reason, n in sorted(shed.items()))
+        second = self._seconds.get(model)
+        if second is not None and now - second.since < self.every_s:
+            return second
+        if second is not None and second.shed:
+            why = ", ".join(f"{reason} {n}" for reason, n in sorted(second.shed.items()))
             log.warning("%s: %d refused before compute in the last %.1f s (%s); the longest wait at fetch %.0f ms",
-                        model, sum(shed.values()), now - since, why, waited * 1000.0)
+                        model, second.shed.total(), now - second.since, why, second.waited * 1000.0)
+        second = self._seconds[model] = _Second(now)
+        return second

@@ -286,9 +286,8 @@ def plot_peers(report: dict[str, Any], path: str) -> str:
     systems = report.get("systems", {})
     names = sorted(systems, key=lambda n: systems[n].get("max_rps_at_sla") or 0.0)
     values = [systems[n].get("max_rps_at_sla") or 0.0 for n in names]
-    order = list(systems)  # each system's colour is its line's on the right
-    left.barh(range(len(names)), values,
-              color=[draw.SERIES_COLOURS[order.index(n) % len(draw.SERIES_COLOURS)] for n in names])
+    colour = {n: draw.SERIES_COLOURS[i % len(draw.SERIES_COLOURS)] for i, n in enumerate(systems)}  # its line's
+    left.barh(range(len(names)), values, color=[colour[n] for n in names])
     left.set_yticks(range(len(names)), [systems[n].get("label", n) for n in names], fontsize=8)
     for y, v in enumerate(values):
         left.annotate(f"{v:g}", (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
