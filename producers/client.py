@@ -139,7 +139,7 @@ class InFlight:
 
     __slots__ = ("_acked_at", "_client", "_deadline", "_delay", "_hedge_at", "_loop", "_on", "_partitions",
                  "_put_off", "_timer", "_wait", "accepted", "called_off", "data", "expired", "handing", "headers",
-                 "refusal", "request", "sends", "sent", "topic", "waiter")
+                 "refusal", "request", "sends", "sent", "taken", "topic", "waiter")
 
     def __init__(self, client: Client, topic: str, data: bytes, request: Request,
                  headers: list[tuple[str, bytes]] | None) -> None:
@@ -151,7 +151,7 @@ class InFlight:
         self._wait: float | None = None  # until the next look for a hedge (doubles while put off)
         self._hedge_at: float | None = None  # when that is, on the loop's clock
         self._put_off = False  # a hedge was due with nowhere better to go
-        self._acked_at: float | None = None  # when the broker last took a copy while it was put off (loop clock)
+        self._acked_at: float | None = None  # when the broker last took a copy (the loop's clock)
         self._timer: asyncio.Handle | None = None
         self._on: tuple[str, int] | None = None  # where it is listed in the client's ``_waiting``
         self.waiter: asyncio.Future[Result] = client._replies.expect(
@@ -159,6 +159,7 @@ class InFlight:
         self.sends: set[asyncio.Future[Any]] = set()  # copies the broker has not answered yet
         self.sent: list[tuple[int | None, float]] = []  # where each copy went, and when
         self.accepted = False  # the broker took a copy
+        self.taken = 0  # the partitions where it took one, a bit each
         self.expired = False  # the deadline passed unanswered
         self.handing: asyncio.Task[Any] | None = None  # the caller, while it hands the first copy over
         self.called_off = False  # that hand-over was cancelled from here (the deadline, or answered meanwhile)
@@ -213,11 +214,12 @@ class InFlight:
             now.add(self)
 
     def hurry(self) -> None:
-        """Its partition was found stalled by another request: look for a hedge now, not at the delay."""
+        """Its partition was found stalled by another request: look for a hedge now, not at the delay (and
+        not a delay after the broker took its copy: that partition's consumer has had its chance)."""
         if self._timer is not None and self._wait is not None and not self.waiter.done():
             self._timer.cancel()
             self._hedge_at = self._loop.time()
-            self._timer = self._loop.call_soon(self._due)
+            self._timer = self._loop.call_soon(self._due, True)
 
     def _arm(self) -> None:
         if self._timer is not None:
@@ -230,18 +232,20 @@ class InFlight:
         cancelled = delivery.cancelled()
         error = None if cancelled else delivery.exception()
         taken = not cancelled and error is None
+        now = time.monotonic()  # the loop's clock (``BaseEventLoop.time``)
         if partition is not None:
-            self._client._hedger.board.acknowledged(self.topic, partition, time.monotonic(), taken)
+            self._client._hedger.board.acknowledged(self.topic, partition, now, taken)
         if taken:
             self.accepted = True
-            if self._put_off:  # the one reader of it (``_due``): no clock read for every other request
-                self._acked_at = self._loop.time()
+            self._acked_at = now
+            if partition is not None:
+                self.taken |= 1 << partition
         elif error is not None:
             self.refused(error)
 
-    def _due(self) -> None:
+    def _due(self, hurried: bool = False) -> None:
         """The deadline passed, or the last copy went unanswered for the hedge delay (its partition is
-        suspect: a copy elsewhere)."""
+        suspect: a copy elsewhere), or another request found its partition stalled (``hurried``)."""
         self._timer = None
         if self.waiter.done():
             return
@@ -255,9 +259,10 @@ class InFlight:
             return
         if self._hedge_at is not None and now >= self._hedge_at:
             assert self._delay is not None and self._wait is not None and self._partitions
-            if self._put_off and self._acked_at is not None and now < self._acked_at + self._delay:
-                # Put off while the broker held its copy, which it took since: the worker gets the hedge delay
-                # to answer it, as any copy does, before another is paid for.
+            if not hurried and self._acked_at is not None and now < self._acked_at + self._delay:
+                # The broker took a copy less than a hedge delay ago (it held it: a stall at the broker, or a
+                # put-off look): its worker gets the hedge delay to answer it, as any copy does, before its
+                # partition is suspected and another copy paid for.
                 self._hedge_at = self._acked_at + self._delay
                 self._arm()
                 return
@@ -668,10 +673,12 @@ class Client:
     async def _exchange(self, copies: InFlight) -> Result:
         """Publish the request and wait for its result, hedging it (``producers.hedging``).
 
-        The request goes to a partition the board trusts. Unanswered at the model's recent p99, it is
-        published again (same id, same bytes) to another trusted partition, paid from the hedge budget,
-        and the partition it waited on becomes suspect unless it answered something meanwhile (the other
-        requests waiting on it are then hedged at once); so again, up to ``HedgePolicy.max_hedges`` copies.
+        The request goes to a partition the board trusts and whose writes do not stall. Unanswered at the
+        model's recent p99 (counted from when the broker took it, when it took it late), it is published
+        again (same id, same bytes) to another trusted partition, paid from the hedge budget, and the
+        partition it waited on becomes suspect unless it answered something meanwhile or the broker still
+        holds the copy (a stall at the broker, not at its consumer); either way the other requests waiting
+        there are then hedged at once; so again, up to ``HedgePolicy.max_hedges`` copies.
         The first result wins; the others are dropped by id. A copy the broker refuses fails the call only
         when no copy was taken.
 
@@ -682,11 +689,14 @@ class Client:
         request, topic, hedger = copies.request, copies.topic, self._hedger
         partitions = self._partitions(topic)
         sent_at = time.monotonic()
-        first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
-        hedger.sent_one(sent_at)
         # Background work waits for idle capacity by design: a copy would only wait as well.
+        delay = None
         if partitions and len(partitions) > 1 and not request.priority.background:
-            copies.hedge_with(partitions, hedger.delay_s(request.model, (request.deadline_ms - now_ms()) / 1000.0))
+            delay = hedger.delay_s(request.model, (request.deadline_ms - now_ms()) / 1000.0)
+            copies.hedge_with(partitions, delay)
+        # Not where the broker has held our copies for longer than a hedge would wait.
+        first = hedger.board.pick(topic, partitions, sent_at, stall_s=delay) if partitions else None
+        hedger.sent_one(sent_at)
         copies.sending(first, sent_at)
         try:
             await self._hand_first(copies, first)
@@ -737,7 +747,8 @@ class Client:
         hedger, now = self._hedger, time.monotonic()
         last, last_at = copies.sent[-1]
         assert last is not None
-        if hedger.board.hedged(topic, last, last_at, now):  # newly suspect: what else waits on it, hedge now too
+        # Newly suspect, or its writes newly seen stalled: what else waits there, hedge now too.
+        if hedger.board.hedged(topic, last, last_at, now, taken=bool(copies.taken >> last & 1)):
             for other in list(self._waiting.get((topic, last), ())):
                 if other is not copies:
                     other.hurry()

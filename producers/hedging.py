@@ -26,13 +26,21 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
   in-sync set (half a second with kinfer's broker settings) and those it leads until they have new
   leaders (seconds): hedges spent in the first were copies that waited as well, and left the bucket
   empty for the requests stranded by the second.
-- **Avoidance** (``PartitionBoard``): a partition whose request had to be hedged, and that has
-  answered nothing since that request was sent, is *suspect*: new requests go to the others, and the
-  requests already waiting on it are hedged at once rather than each at its own delay (a dead owner
-  strands all of them alike). A suspect partition gets one probe request every ``probe_s``; an answer
-  it gives clears it. Its writes *stall* when it has held our copies unacknowledged since before the
-  copy a hedge would replace was sent, and taken none since (the broker's acknowledgements are counted
-  per partition, ``handed``/``acknowledged``): a hedge's copy goes elsewhere, or waits.
+- **Avoidance** (``PartitionBoard``): a partition whose request had to be hedged after the broker
+  took it, and that has answered nothing since that request was sent, is *suspect*: its consumer does
+  not answer. New requests go to the others, and the requests already waiting on it are hedged at once
+  rather than each at its own delay (a dead owner strands all of them alike). A suspect partition gets
+  one probe request every ``probe_s``; an answer it gives clears it. Its writes *stall* when it holds our
+  copies unacknowledged and has taken none for a while (the broker's acknowledgements are counted per
+  partition, ``handed``/``acknowledged``): a hedge's copy goes only where the broker took a write since
+  the copy it replaces was sent (or holds none of ours), or waits, and a new request goes elsewhere
+  once the stall is older than the hedge delay.
+  A stall says nothing of the consumer, so it makes no partition suspect, and it ends with the
+  broker's next acknowledgement. When a broker dies or pauses, every partition it follows stalls at
+  once and all but those it led resume within a second; had the stall made them suspect, each would
+  have waited for its probe to be trusted again, and the first few trusted would have taken every new
+  request and every hedge between them, more than their consumers could serve (measured: a fault's
+  failures kept coming for seconds after the stall, all on one worker's two partitions).
 
 Evidence is per client and needs no other process: a dead lag monitor or a Redis outage does not
 blind it. The cost of a false suspicion (a slow batch, a GC pause) is a few hedges and a partition
@@ -168,6 +176,13 @@ class _Partition:
     unacked: int = 0  # our copies handed to the producer for it that the broker has not acknowledged
     unacked_since: float = -math.inf  # it has held some since (the last time it held none)
     last_ack: float = -math.inf  # when the broker last acknowledged one
+    stall_seen: float = -math.inf  # when the last stall a hedge reported began (each stall reported once)
+
+
+def _stalled(part: _Partition, since: float) -> bool:
+    """The broker has held a copy of ours for ``part`` unacknowledged since before ``since`` without
+    acknowledging one meanwhile."""
+    return part.unacked > 0 and max(part.last_ack, part.unacked_since) < since
 
 
 class PartitionBoard:
@@ -191,24 +206,31 @@ class PartitionBoard:
         part = self._parts.get((topic, partition))
         return part is not None and part.suspect_since is not None
 
-    def pick(self, topic: str, partitions: Sequence[int], now: float, avoid: Iterable[int] = ()) -> int:
+    def pick(self, topic: str, partitions: Sequence[int], now: float, avoid: Iterable[int] = (),
+             stall_s: float | None = None) -> int:
         """The partition for the next request (round robin over the trusted ones), or for a hedge (not one
-        of ``avoid``). A suspect partition is offered once every ``probe_s``; with every one suspect, any."""
+        of ``avoid``). A suspect partition is offered once every ``probe_s``; one whose writes have stalled
+        for ``stall_s`` (None: not looked at) only when no other is left; with every one suspect or
+        stalled, any."""
         if not partitions:
             raise ValueError("no partitions to pick from")
         skip = set(avoid)
         turn = self._turn.get(topic, 0)
         self._turn[topic] = turn + 1
         n = len(partitions)
+        since = -math.inf if stall_s is None else now - stall_s
         fallback = None
         for i in range(n):
             p = partitions[(turn + i) % n]
             if p in skip:
                 continue
             part = self._parts.get((topic, p))
-            if part is None or part.suspect_since is None:
+            if part is None:
                 return p
-            if now - part.probed >= self.probe_s:
+            if part.suspect_since is None:
+                if not _stalled(part, since):
+                    return p
+            elif now - part.probed >= self.probe_s:
                 part.probed = now
                 return p
             fallback = p if fallback is None else fallback
@@ -233,13 +255,14 @@ class PartitionBoard:
         return candidates[turn % len(candidates)]
 
     def writing(self, topic: str, partition: int, since: float) -> bool:
-        """Whether the broker takes our writes to ``partition``: it has not held a copy of ours
-        unacknowledged since before ``since`` without acknowledging one meanwhile. With ``acks=all`` a
-        broker that dies or stalls holds up the writes of every partition it follows, not only those it
-        leads, until it leaves the in-sync set: a copy sent to one of those then would wait as long as the
-        copy it hedges."""
+        """Whether the broker takes our writes to ``partition``: it holds no copy of ours, or it
+        acknowledged one since ``since``. With ``acks=all`` a broker that dies or stalls holds up the writes
+        of every partition it follows, not only those it leads, until it leaves the in-sync set: a copy sent
+        to one of those then would wait as long as the copy it hedges. A partition that took its first copy
+        of the stall after ``since`` is no exception: every partition stalled at the same moment (measured:
+        hedges sent to such partitions in a broker's stall waited past their deadlines)."""
         part = self._parts.get((topic, partition))
-        return part is None or part.unacked == 0 or max(part.last_ack, part.unacked_since) >= since
+        return part is None or part.unacked == 0 or part.last_ack >= since
 
     def handed(self, topic: str, partition: int, now: float) -> None:
         """A copy for ``partition`` is with the producer: acknowledged (or given up on) later, exactly once."""
@@ -263,10 +286,19 @@ class PartitionBoard:
         part.last_answer = now
         part.suspect_since = None
 
-    def hedged(self, topic: str, partition: int, sent: float, now: float) -> bool:
-        """A request sent to ``partition`` at ``sent`` is still unanswered at ``now``: unless the partition
-        answered something since, it is suspect. True when this made it suspect (it was trusted before)."""
+    def hedged(self, topic: str, partition: int, sent: float, now: float, taken: bool = True) -> bool:
+        """A request sent to ``partition`` at ``sent`` is still unanswered at ``now``. ``taken``: the broker
+        took its copy there, so unless the partition answered something since, its consumer is suspect.
+        Not taken: the broker holds it, the partition's writes stall (``writing``), and that says nothing
+        of its consumer. True when this is news: the partition turned suspect (it was trusted before), or
+        its stall is seen for the first time; either way what else waits there is stranded too."""
         part = self._get(topic, partition)
+        if not taken:
+            began = max(part.last_ack, part.unacked_since)  # nothing acknowledged there since
+            if part.unacked and part.stall_seen != began:
+                part.stall_seen = began
+                return True
+            return False
         if part.last_answer < sent and part.suspect_since is None:
             part.suspect_since = now
             part.probed = now

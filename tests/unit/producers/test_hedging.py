@@ -225,25 +225,63 @@ def test_a_hedge_goes_only_to_a_trusted_partition_and_leaves_the_probes_to_new_r
 
 def test_a_partition_whose_writes_stall_gets_no_hedge_until_the_broker_takes_one_again() -> None:
     """With acks=all a dead follower holds up the writes of every partition it follows: a hedge sent to
-    one that has held our copies since before the hedged copy, and taken none since, would wait as long.
-    A copy handed to a partition that held none is fresh, not stalled; one acknowledgement there after
-    the hedged copy was sent ends it."""
+    one that holds our copies and has taken none since the hedged copy was sent would wait as long, even
+    one whose first copy came after it (every partition stalled at the same moment). A partition that
+    holds none of ours is taken at its word; one acknowledgement after the hedged copy was sent ends it."""
     board = PartitionBoard(probe_s=1.0)
     board.handed(T, 1, now=1.0)  # two held since 1.0, nothing taken since
     board.handed(T, 1, now=1.1)
-    board.handed(T, 2, now=2.5)  # held since 2.5: after the hedged copy (2.0), so no stall of its length
-    assert not board.writing(T, 1, since=2.0) and board.writing(T, 2, since=2.0) and board.writing(T, 0, since=2.0)
+    board.handed(T, 2, now=2.5)  # held since 2.5, after the hedged copy (2.0): nothing taken since either
+    assert not board.writing(T, 1, since=2.0) and not board.writing(T, 2, since=2.0)
+    assert board.writing(T, 0, since=2.0)  # holds nothing
+    assert {board.trusted(T, [0, 1, 2], avoid=(3,), since=2.0) for _ in range(4)} == {0}
+    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=2.0) is None
+    board.acknowledged(T, 2, now=2.55, taken=True)  # partition 2 took a write after the hedged copy
     assert {board.trusted(T, [0, 1, 2], avoid=(0,), since=2.0) for _ in range(4)} == {2}
     board.handed(T, 2, now=2.6)
     board.acknowledged(T, 2, now=1.5, taken=True)  # (an old copy's acknowledgement: before the hedged copy)
     board.handed(T, 2, now=2.7)
-    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) is None  # both held since before 3.0
+    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) is None  # both held, nothing taken since 3.0
     board.acknowledged(T, 1, now=3.1, taken=False)  # a refusal is no sign the broker writes
     assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) is None
     board.acknowledged(T, 1, now=3.2, taken=True)
     assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) == 1
     board.acknowledged(T, 3, now=3.3, taken=True)  # nothing handed there: nothing to count
     assert (T, 3) not in board._parts
+
+
+def test_a_stall_at_the_broker_makes_no_partition_suspect_and_is_news_once() -> None:
+    """A copy the broker still holds when its hedge comes due says the partition's writes stall, not that
+    its consumer fails: no suspicion. The first such hedge of a stall is news (what else waits there is
+    hedged at once), the next ones of the same stall are not; writes that moved and stalled again are a
+    new stall. A copy taken and unanswered is the consumer's, as before."""
+    board = PartitionBoard(probe_s=1.0)
+    board.handed(T, 0, now=1.0)
+    assert board.hedged(T, 0, sent=1.0, now=1.2, taken=False)
+    board.handed(T, 0, now=1.1)
+    assert not board.hedged(T, 0, sent=1.1, now=1.3, taken=False)  # the same stall
+    assert not board.suspect(T, 0)
+    board.acknowledged(T, 0, now=1.5, taken=True)  # one taken, one still held: writes moved at 1.5
+    assert board.hedged(T, 0, sent=1.6, now=1.8, taken=False)
+    assert not board.hedged(T, 0, sent=1.6, now=1.9, taken=False)
+    assert not board.suspect(T, 0)
+    assert board.hedged(T, 0, sent=1.6, now=2.0)  # taken by the broker and unanswered: the consumer's
+    assert board.suspect(T, 0)
+
+
+def test_new_requests_avoid_a_partition_whose_writes_stalled_longer_than_a_hedge_would_wait() -> None:
+    board = PartitionBoard(probe_s=1.0)
+    board.handed(T, 1, now=1.0)
+    assert sorted(board.pick(T, [0, 1, 2], 1.05, stall_s=0.1) for _ in range(3)) == [0, 1, 2]  # held 50 ms
+    assert set(board.pick(T, [0, 1, 2], 1.5, stall_s=0.1) for _ in range(6)) == {0, 2}
+    assert sorted(board.pick(T, [0, 1, 2], 1.5) for _ in range(3)) == [0, 1, 2]  # no stall_s: not looked at
+    for p in (0, 2):
+        board.handed(T, p, now=1.0)
+    assert sorted(board.pick(T, [0, 1, 2], 1.5, stall_s=0.1) for _ in range(3)) == [0, 1, 2]  # all: any
+    board.acknowledged(T, 1, now=1.6, taken=True)
+    assert set(board.pick(T, [0, 1, 2], 1.65, stall_s=0.1) for _ in range(6)) == {1}
+    board.hedged(T, 1, sent=1.6, now=1.7)  # its consumer, now: suspect, and probed once a period
+    assert board.pick(T, [0, 1, 2], 1.7, stall_s=0.1) != 1
 
 
 @given(st.lists(st.tuples(st.sampled_from(["hand", "take", "refuse"]), st.integers(0, 2),
@@ -323,12 +361,44 @@ async def test_a_hedge_is_put_off_unpaid_while_every_partition_s_writes_stall_an
     assert (await exchange).ok
 
 
+async def test_a_stall_at_the_broker_leaves_every_partition_trusted_once_it_ends(offline: Offline) -> None:
+    """A broker dies, and every partition's writes stall (each follows it): requests on each come due for
+    their hedge and are put off. That is the broker's doing, not the consumers': once it takes writes
+    again, new requests spread over every partition as before. Had the stall made them suspect, the
+    first partition trusted again would have taken every request until each probe came back, more than
+    one consumer serves."""
+    client = offline(hedging=HedgePolicy(min_samples=1))
+    hedger = client._hedger
+    hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
+    held, handed, looked = _stalled_broker(client)
+    for p in (0, 1, 2):  # our earlier copies, held there since a moment ago
+        hedger.board.handed(T, p, time.monotonic() - 0.5)
+    copies = [InFlight(client, T, b"", _request(f"r{i}", 600_000), None) for i in range(3)]
+    exchanges = []
+    for i, c in enumerate(copies):
+        exchanges.append(asyncio.create_task(client._exchange(c)))
+        assert await asyncio.wait_for(handed.get(), 10) == (f"r{i}", i)
+    while hedger.nowhere < 3:  # each one's hedge came due with nowhere to go
+        await asyncio.wait_for(looked.wait(), 10)
+        looked.clear()
+    assert handed.empty() and hedger.budget.spent == 0
+    assert not any(hedger.board.suspect(T, p) for p in (0, 1, 2))
+    for p in (0, 1, 2):
+        hedger.board.acknowledged(T, p, time.monotonic(), taken=True)  # the earlier copies
+    for delivery in held.values():
+        delivery.set_result(None)
+    for c in copies:
+        c.waiter.set_result(Result(c.request.id, "m", Status.OK))
+    assert all(r.ok for r in await asyncio.gather(*exchanges))
+    assert sorted(hedger.board.pick(T, [0, 1, 2], time.monotonic(), stall_s=0.02) for _ in range(3)) == [0, 1, 2]
+
+
 async def test_a_put_off_request_whose_copy_the_broker_took_meanwhile_gives_its_worker_the_delay(
     offline: Offline,
 ) -> None:
     """Put off while every partition stalled, the request's own copy is then taken, and the other
     partitions move too: its next look does not hedge it (its worker has only just got it) but waits
-    its hedge delay from then."""
+    its hedge delay from then. Another request finding its partition stalled still hurries it at once."""
     client = offline(hedging=HedgePolicy(min_samples=1))
     hedger = client._hedger
     hedger.observe("m", 0.001)
@@ -346,10 +416,11 @@ async def test_a_put_off_request_whose_copy_the_broker_took_meanwhile_gives_its_
     await asyncio.sleep(0)
     acked_at = copies._acked_at
     assert acked_at is not None
-    copies.hurry()  # look now (as a partition turning suspect would make it)
-    await asyncio.sleep(0)
+    copies._hedge_at = asyncio.get_running_loop().time()  # its next look comes now
+    copies._due()
     assert handed.empty() and hedger.budget.spent == 0 and copies._hedge_at == acked_at + 0.02
-    assert await asyncio.wait_for(handed.get(), 10) in {("r0", 1), ("r0", 2)}  # a delay later: hedged
+    copies.hurry()  # its partition found stalled by another request's hedge: no delay more
+    assert await asyncio.wait_for(handed.get(), 10) in {("r0", 1), ("r0", 2)}
     copies.waiter.set_result(Result("r0", "m", Status.OK))
     assert (await exchange).ok
 
