@@ -747,8 +747,9 @@ class Client:
         hedger, now = self._hedger, time.monotonic()
         last, last_at = copies.sent[-1]
         assert last is not None
+        held = not copies.taken >> last & 1  # the broker still holds the copy: its partition's writes stall
         # Newly suspect, or its writes newly seen stalled: what else waits there, hedge now too.
-        if hedger.board.hedged(topic, last, last_at, now, taken=bool(copies.taken >> last & 1)):
+        if hedger.board.hedged(topic, last, last_at, now, taken=not held):
             for other in list(self._waiting.get((topic, last), ())):
                 if other is not copies:
                     other.hurry()
@@ -758,11 +759,13 @@ class Client:
                                       since=last_at)
         if target is None:  # every other partition has stopped too (a copy would wait as well), or seems to
             return False
-        # A request stranded on a suspect partition may spend the whole bucket; one that is only slow where
-        # others are answered (the tail), only the top of it: the bucket's floor less the reserve kept for
-        # the stranded. What the bucket holds beyond its floor (a busy client's second of traffic) is for
-        # the stranded alone: spent on the tail, an overload's slow answers drew thousands of hedges at once.
-        keep = 0.0 if hedger.board.suspect(topic, last) else hedger.budget.burst - hedger.policy.tail_burst
+        # A request stranded on a suspect partition, or on one whose writes stall, may spend the whole bucket;
+        # one that is only slow where others are answered (the tail), only the top of it: the bucket's floor
+        # less the reserve kept for the stranded. What the bucket holds beyond its floor (a busy client's
+        # second of traffic) is for the stranded alone: spent on the tail, an overload's slow answers drew
+        # thousands of hedges at once.
+        stranded = held or hedger.board.suspect(topic, last)
+        keep = 0.0 if stranded else hedger.budget.burst - hedger.policy.tail_burst
         if not hedger.budget.spend(keep):
             metrics.HEDGES_UNPAID.labels(request.model).inc()
             return None

@@ -13,7 +13,7 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
   answer wins; the others are duplicates the client drops by id (workers are idempotent by id
   already). Hedges are paid from a ``HedgeBudget`` that earns a fraction of a hedge for every
   request sent, so the extra work stays bounded (2 % by default). Part of the bucket (``reserve``)
-  is kept for requests stranded on a suspect partition: a slow answer from a partition that answers
+  is kept for requests stranded on a suspect or stalled partition: a slow answer from a partition that answers
   others (a busy box's tail) may spend only what is above it. Without the reserve, calm weather's
   tail wanted about twice what the budget earns, the bucket sat empty, and when a worker stopped the
   requests it stranded found nothing to pay their hedges with. No hedge goes to a suspect
@@ -30,11 +30,11 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
   took it, and that has answered nothing since that request was sent, is *suspect*: its consumer does
   not answer. New requests go to the others, and the requests already waiting on it are hedged at once
   rather than each at its own delay (a dead owner strands all of them alike). A suspect partition gets
-  one probe request every ``probe_s``; an answer it gives clears it. Its writes *stall* when it holds our
-  copies unacknowledged and has taken none for a while (the broker's acknowledgements are counted per
-  partition, ``handed``/``acknowledged``): a hedge's copy goes only where the broker took a write since
-  the copy it replaces was sent (or holds none of ours), or waits, and a new request goes elsewhere
-  once the stall is older than the hedge delay.
+  one probe request every ``probe_s``; an answer it gives clears it. Its writes *stall* when it has
+  held our copies unacknowledged since before a given moment, and taken none since (the broker's
+  acknowledgements are counted per partition, ``handed``/``acknowledged``): a hedge's copy goes
+  elsewhere than a partition stalled since before the copy it replaces was sent, or waits, and a new
+  request goes elsewhere once the stall is older than the hedge delay.
   A stall says nothing of the consumer, so it makes no partition suspect, and it ends with the
   broker's next acknowledgement. When a broker dies or pauses, every partition it follows stalls at
   once and all but those it led resume within a second; had the stall made them suspect, each would
@@ -64,7 +64,7 @@ class HedgePolicy:
     budget: float = 0.02  # hedges earned per request sent: at most this fraction, over time
     burst: float = 50.0  # hedges that may be spent at once (a partition dying strands a burst)...
     burst_s: float = 1.0  # ...or this many seconds of the client's own requests, whichever is more
-    reserve: float = 0.5  # of the burst: spent only on requests stranded on a suspect partition
+    reserve: float = 0.5  # of the burst: spent only on requests stranded on a suspect or stalled partition
     # Hedge a request unanswered at this quantile of recent latencies: about 1 - quantile of requests
     # would be hedged in calm weather, which must leave most of the budget for a partition that dies.
     quantile: float = 0.99
@@ -93,7 +93,7 @@ class HedgePolicy:
     @property
     def tail_burst(self) -> float:
         """Hedges a slow answer may spend at once: the floor's share above the reserve (all the rest of the
-        bucket, however large it grows, is kept for requests stranded on a suspect partition)."""
+        bucket, however large it grows, is kept for requests stranded on a suspect or stalled partition)."""
         return (1.0 - self.reserve) * self.burst
 
 
@@ -255,14 +255,13 @@ class PartitionBoard:
         return candidates[turn % len(candidates)]
 
     def writing(self, topic: str, partition: int, since: float) -> bool:
-        """Whether the broker takes our writes to ``partition``: it holds no copy of ours, or it
-        acknowledged one since ``since``. With ``acks=all`` a broker that dies or stalls holds up the writes
-        of every partition it follows, not only those it leads, until it leaves the in-sync set: a copy sent
-        to one of those then would wait as long as the copy it hedges. A partition that took its first copy
-        of the stall after ``since`` is no exception: every partition stalled at the same moment (measured:
-        hedges sent to such partitions in a broker's stall waited past their deadlines)."""
+        """Whether the broker takes our writes to ``partition``: it has not held a copy of ours
+        unacknowledged since before ``since`` without acknowledging one meanwhile. With ``acks=all`` a
+        broker that dies or stalls holds up the writes of every partition it follows, not only those it
+        leads, until it leaves the in-sync set: a copy sent to one of those then would wait as long as the
+        copy it hedges."""
         part = self._parts.get((topic, partition))
-        return part is None or part.unacked == 0 or part.last_ack >= since
+        return part is None or not _stalled(part, since)
 
     def handed(self, topic: str, partition: int, now: float) -> None:
         """A copy for ``partition`` is with the producer: acknowledged (or given up on) later, exactly once."""

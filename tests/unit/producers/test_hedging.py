@@ -225,23 +225,19 @@ def test_a_hedge_goes_only_to_a_trusted_partition_and_leaves_the_probes_to_new_r
 
 def test_a_partition_whose_writes_stall_gets_no_hedge_until_the_broker_takes_one_again() -> None:
     """With acks=all a dead follower holds up the writes of every partition it follows: a hedge sent to
-    one that holds our copies and has taken none since the hedged copy was sent would wait as long, even
-    one whose first copy came after it (every partition stalled at the same moment). A partition that
-    holds none of ours is taken at its word; one acknowledgement after the hedged copy was sent ends it."""
+    one that has held our copies since before the hedged copy, and taken none since, would wait as long.
+    A copy handed to a partition that held none is fresh, not stalled; one acknowledgement there after
+    the hedged copy was sent ends it."""
     board = PartitionBoard(probe_s=1.0)
     board.handed(T, 1, now=1.0)  # two held since 1.0, nothing taken since
     board.handed(T, 1, now=1.1)
-    board.handed(T, 2, now=2.5)  # held since 2.5, after the hedged copy (2.0): nothing taken since either
-    assert not board.writing(T, 1, since=2.0) and not board.writing(T, 2, since=2.0)
-    assert board.writing(T, 0, since=2.0)  # holds nothing
-    assert {board.trusted(T, [0, 1, 2], avoid=(3,), since=2.0) for _ in range(4)} == {0}
-    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=2.0) is None
-    board.acknowledged(T, 2, now=2.55, taken=True)  # partition 2 took a write after the hedged copy
+    board.handed(T, 2, now=2.5)  # held since 2.5: after the hedged copy (2.0), so no stall of its length
+    assert not board.writing(T, 1, since=2.0) and board.writing(T, 2, since=2.0) and board.writing(T, 0, since=2.0)
     assert {board.trusted(T, [0, 1, 2], avoid=(0,), since=2.0) for _ in range(4)} == {2}
     board.handed(T, 2, now=2.6)
     board.acknowledged(T, 2, now=1.5, taken=True)  # (an old copy's acknowledgement: before the hedged copy)
     board.handed(T, 2, now=2.7)
-    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) is None  # both held, nothing taken since 3.0
+    assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) is None  # both held since before 3.0
     board.acknowledged(T, 1, now=3.1, taken=False)  # a refusal is no sign the broker writes
     assert board.trusted(T, [0, 1, 2], avoid=(0,), since=3.0) is None
     board.acknowledged(T, 1, now=3.2, taken=True)
@@ -559,6 +555,26 @@ async def test_the_tail_leaves_the_reserve_to_requests_stranded_on_a_suspect_par
     for rid, waiter in waiters.items():
         waiter.set_result(Result(rid, "m", Status.OK))
     assert all(r.ok for r in await asyncio.gather(*exchanges))
+
+
+async def test_a_request_whose_copy_the_broker_holds_is_stranded_and_may_spend_the_reserve(
+    offline: Offline,
+) -> None:
+    """A stall at the broker makes no partition suspect, but the request it holds is as stranded as one on
+    a suspect partition: with only the reserve in the bucket (2.5 hedges, 2 of them kept), it is hedged."""
+    client = offline(hedging=HedgePolicy(min_samples=1, max_hedges=1, burst=4.0, reserve=0.5))
+    hedger = client._hedger
+    hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
+    held, handed, looked = _stalled_broker(client)
+    hedger.budget.tokens = 2.5
+    copies = InFlight(client, T, b"", _request("r0", 600_000), None)
+    exchange = asyncio.create_task(client._exchange(copies))
+    assert await asyncio.wait_for(handed.get(), 10) == ("r0", 0)
+    assert await asyncio.wait_for(handed.get(), 10) in {("r0", 1), ("r0", 2)}  # hedged where nothing waits
+    assert hedger.budget.spent == 1 and hedger.budget.refused == 0 and not hedger.board.suspect(T, 0)
+    copies.waiter.set_result(Result("r0", "m", Status.OK))
+    assert (await exchange).ok
+    assert looked.is_set() and len(held) == 2
 
 
 @pytest.mark.parametrize("first_taken", [True, False])
