@@ -338,7 +338,7 @@ async def test_a_hedge_is_put_off_unpaid_while_every_partition_s_writes_stall_an
     hedger = client._hedger
     hedger.observe("m", 0.001)  # the hedge delay is its floor, 20 ms
     held, handed, looked = _stalled_broker(client)
-    for p in (1, 2):  # our earlier copies, held there since a moment ago
+    for p in (0, 1, 2):  # our earlier copies, held there since a moment ago: new requests go round robin
         hedger.board.handed(T, p, time.monotonic() - 0.5)
     stranded = InFlight(client, T, b"", _request("r0", 600_000), None)
     exchange = asyncio.create_task(client._exchange(stranded))
