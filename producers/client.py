@@ -673,7 +673,7 @@ class Client:
     async def _exchange(self, copies: InFlight) -> Result:
         """Publish the request and wait for its result, hedging it (``producers.hedging``).
 
-        The request goes to a partition the board trusts and whose writes do not stall. Unanswered at the
+        The request goes to a partition the board trusts. Unanswered at the
         model's recent p99 (counted from when the broker took it, when it took it late), it is published
         again (same id, same bytes) to another trusted partition, paid from the hedge budget, and the
         partition it waited on becomes suspect unless it answered something meanwhile or the broker still
@@ -689,14 +689,11 @@ class Client:
         request, topic, hedger = copies.request, copies.topic, self._hedger
         partitions = self._partitions(topic)
         sent_at = time.monotonic()
-        # Background work waits for idle capacity by design: a copy would only wait as well.
-        delay = None
-        if partitions and len(partitions) > 1 and not request.priority.background:
-            delay = hedger.delay_s(request.model, (request.deadline_ms - now_ms()) / 1000.0)
-            copies.hedge_with(partitions, delay)
-        # Not where the broker has held our copies for longer than a hedge would wait.
-        first = hedger.board.pick(topic, partitions, sent_at, stall_s=delay) if partitions else None
+        first = hedger.board.pick(topic, partitions, sent_at) if partitions else None
         hedger.sent_one(sent_at)
+        # Background work waits for idle capacity by design: a copy would only wait as well.
+        if partitions and len(partitions) > 1 and not request.priority.background:
+            copies.hedge_with(partitions, hedger.delay_s(request.model, (request.deadline_ms - now_ms()) / 1000.0))
         copies.sending(first, sent_at)
         try:
             await self._hand_first(copies, first)
@@ -747,9 +744,9 @@ class Client:
         hedger, now = self._hedger, time.monotonic()
         last, last_at = copies.sent[-1]
         assert last is not None
-        held = not copies.taken >> last & 1  # the broker still holds the copy: its partition's writes stall
+        taken = bool(copies.taken >> last & 1)  # else the broker still holds the copy
         # Newly suspect, or its writes newly seen stalled: what else waits there, hedge now too.
-        if hedger.board.hedged(topic, last, last_at, now, taken=not held):
+        if hedger.board.hedged(topic, last, last_at, now, taken=taken):
             for other in list(self._waiting.get((topic, last), ())):
                 if other is not copies:
                     other.hurry()
@@ -764,7 +761,7 @@ class Client:
         # less the reserve kept for the stranded. What the bucket holds beyond its floor (a busy client's
         # second of traffic) is for the stranded alone: spent on the tail, an overload's slow answers drew
         # thousands of hedges at once.
-        stranded = held or hedger.board.suspect(topic, last)
+        stranded = hedger.board.suspect(topic, last) or (not taken and hedger.board.stalled(topic, last, last_at))
         keep = 0.0 if stranded else hedger.budget.burst - hedger.policy.tail_burst
         if not hedger.budget.spend(keep):
             metrics.HEDGES_UNPAID.labels(request.model).inc()

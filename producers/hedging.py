@@ -33,8 +33,10 @@ with a one-second deadline sees an outage. Two mechanisms, driven by what this c
   one probe request every ``probe_s``; an answer it gives clears it. Its writes *stall* when it has
   held our copies unacknowledged since before a given moment, and taken none since (the broker's
   acknowledgements are counted per partition, ``handed``/``acknowledged``): a hedge's copy goes
-  elsewhere than a partition stalled since before the copy it replaces was sent, or waits, and a new
-  request goes elsewhere once the stall is older than the hedge delay.
+  elsewhere than a partition stalled since before the copy it replaces was sent, or waits. New
+  requests do not avoid a stall: read from acknowledgements, a busy client's own queue looks like one
+  (they come late but steadily), and new requests sent only where acknowledgements came last broke the
+  library path down at 6,000/s (measured); a stranded request is hedged instead.
   A stall says nothing of the consumer, so it makes no partition suspect, and it ends with the
   broker's next acknowledgement. When a broker dies or pauses, every partition it follows stalls at
   once and all but those it led resume within a second; had the stall made them suspect, each would
@@ -206,31 +208,24 @@ class PartitionBoard:
         part = self._parts.get((topic, partition))
         return part is not None and part.suspect_since is not None
 
-    def pick(self, topic: str, partitions: Sequence[int], now: float, avoid: Iterable[int] = (),
-             stall_s: float | None = None) -> int:
+    def pick(self, topic: str, partitions: Sequence[int], now: float, avoid: Iterable[int] = ()) -> int:
         """The partition for the next request (round robin over the trusted ones), or for a hedge (not one
-        of ``avoid``). A suspect partition is offered once every ``probe_s``; one whose writes have stalled
-        for ``stall_s`` (None: not looked at) only when no other is left; with every one suspect or
-        stalled, any."""
+        of ``avoid``). A suspect partition is offered once every ``probe_s``; with every one suspect, any."""
         if not partitions:
             raise ValueError("no partitions to pick from")
         skip = set(avoid)
         turn = self._turn.get(topic, 0)
         self._turn[topic] = turn + 1
         n = len(partitions)
-        since = -math.inf if stall_s is None else now - stall_s
         fallback = None
         for i in range(n):
             p = partitions[(turn + i) % n]
             if p in skip:
                 continue
             part = self._parts.get((topic, p))
-            if part is None:
+            if part is None or part.suspect_since is None:
                 return p
-            if part.suspect_since is None:
-                if not _stalled(part, since):
-                    return p
-            elif now - part.probed >= self.probe_s:
+            if now - part.probed >= self.probe_s:
                 part.probed = now
                 return p
             fallback = p if fallback is None else fallback
@@ -263,6 +258,13 @@ class PartitionBoard:
         part = self._parts.get((topic, partition))
         return part is None or not _stalled(part, since)
 
+    def stalled(self, topic: str, partition: int, sent: float) -> bool:
+        """Whether a copy sent to ``partition`` at ``sent`` and not yet acknowledged is held by a stall: the
+        broker has acknowledged none of our copies there since. (A busy producer acknowledges late but
+        steadily: its copies wait in line, and that is the tail's, not a stall.)"""
+        part = self._parts.get((topic, partition))
+        return part is not None and part.unacked > 0 and part.last_ack < sent
+
     def handed(self, topic: str, partition: int, now: float) -> None:
         """A copy for ``partition`` is with the producer: acknowledged (or given up on) later, exactly once."""
         part = self._get(topic, partition)
@@ -288,15 +290,17 @@ class PartitionBoard:
     def hedged(self, topic: str, partition: int, sent: float, now: float, taken: bool = True) -> bool:
         """A request sent to ``partition`` at ``sent`` is still unanswered at ``now``. ``taken``: the broker
         took its copy there, so unless the partition answered something since, its consumer is suspect.
-        Not taken: the broker holds it, the partition's writes stall (``writing``), and that says nothing
-        of its consumer. True when this is news: the partition turned suspect (it was trusted before), or
-        its stall is seen for the first time; either way what else waits there is stranded too."""
+        Not taken: the broker holds it, which says nothing of its consumer; if the broker has taken none
+        of our copies there since (``stalled``), the partition's writes stall. True when this is news: the
+        partition turned suspect (it was trusted before), or its stall is seen for the first time; either
+        way what else waits there is stranded too."""
         part = self._get(topic, partition)
         if not taken:
-            began = max(part.last_ack, part.unacked_since)  # nothing acknowledged there since
-            if part.unacked and part.stall_seen != began:
-                part.stall_seen = began
-                return True
+            if self.stalled(topic, partition, sent):
+                began = max(part.last_ack, part.unacked_since)  # nothing acknowledged there since
+                if part.stall_seen != began:
+                    part.stall_seen = began
+                    return True
             return False
         if part.last_answer < sent and part.suspect_since is None:
             part.suspect_since = now
